@@ -6,6 +6,22 @@ runs the remaining pieces captured.
 """
 
 from fxsplit import runners
+from fxsplit.backend import Backend, plans
+from fxsplit.config import Config
+from fxsplit.explain import explain
+from fxsplit.plan import Piece, SplitPlan
 from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER, region
 
-__all__ = ["ATTENTION", "ATTN_PREP", "SPARSE_INDEXER", "region", "runners"]
+__all__ = [
+    "ATTENTION",
+    "ATTN_PREP",
+    "SPARSE_INDEXER",
+    "Backend",
+    "Config",
+    "Piece",
+    "SplitPlan",
+    "explain",
+    "plans",
+    "region",
+    "runners",
+]

@@ -1,0 +1,216 @@
+"""Backend options: one dataclass, one validator, shared by ``options={...}`` and ``Backend(**kw)``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxsplit import runners
+from fxsplit.runners import Runner
+
+CAPTURE_MODES = ("auto", "cuda", "emulate", "off")
+INPUT_BINDINGS = ("copy", "strict", "trust")
+ON_CAPTURE_ERROR = ("fallback", "raise")
+
+
+@dataclass(frozen=True)
+class Config:
+    """fxsplit options. Every field is a key of ``options={...}`` and of ``fxsplit.Backend(...)``.
+
+    Attributes:
+        runner: registered runner name (``"v1"``, ``"v2"``, see :mod:`fxsplit.runners`) or a
+            :class:`~fxsplit.runners.Runner`; decides which regions run eagerly.
+        eager_regions: region names to run eagerly instead of the runner's own set.
+        splitting_ops: op names ``"ns::op"`` or ``"ns::op.overload"`` that always run eagerly.
+        module_regions: module class name or qualified module-path glob -> region name.
+        eager_modules: module class names or path globs whose nodes always run eagerly.
+        capture: ``"auto"`` (CUDA/HIP graphs when the graph's tensors are on a CUDA device, else
+            off), ``"cuda"``, ``"emulate"`` (the CPU capture emulator) or ``"off"``.
+        capture_sizes: token counts (leading dim of the first non-parameter tensor input) to
+            capture; None captures every key seen, up to ``max_captured_keys``.
+        max_captured_keys: capture keys captured per graph when ``capture_sizes`` is None.
+        warmup_runs: uncaptured runs per capture key before it is captured.
+        input_binding: what a runner input whose address changed since capture gets: ``"copy"``,
+            ``"strict"`` or ``"trust"``; None takes the runner's default ("strict" for runners
+            with persistent inputs, else "copy").
+        on_capture_error: ``"fallback"`` (run the piece uncaptured, log why) or ``"raise"``.
+        verify: re-run each replayed piece uncaptured and compare (slow; for debugging).
+        clone_outputs: return clones of the graph outputs instead of the replay's own buffers.
+        dump_dir: folder to write a dump of every compiled graph into; defaults to the
+            ``FXSPLIT_DUMP_DIR`` environment variable.
+    """
+
+    runner: str | Runner = "v1"
+    eager_regions: frozenset[str] | None = None
+    splitting_ops: tuple[str, ...] = ()
+    module_regions: Mapping[str, str] = field(default_factory=dict)
+    eager_modules: tuple[str, ...] = ()
+    capture: str = "auto"
+    capture_sizes: tuple[int, ...] | None = None
+    max_captured_keys: int = 64
+    warmup_runs: int = 1
+    input_binding: str | None = None
+    on_capture_error: str = "fallback"
+    verify: bool = False
+    clone_outputs: bool = False
+    dump_dir: str | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None, base: Config | None = None):
+        """Validate ``options`` and return a Config (``base`` supplies the keys not given).
+
+        Raises:
+            ValueError: an unknown key (the message lists the valid keys) or a bad value (the
+                message names the key, the value and what is allowed).
+            TypeError: a value of the wrong type, naming the key and the expected type.
+        """
+        options = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(k for k in options if k not in valid)
+        if unknown:
+            raise ValueError(
+                f"unknown fxsplit option {', '.join(map(repr, unknown))}; "
+                f"valid options: {', '.join(valid)}"
+            )
+        values = {} if base is None else {k: getattr(base, k) for k in valid}
+        for key, value in options.items():
+            values[key] = _VALIDATORS[key](key, value)
+        config = cls(**values)
+        runners.get(config.runner)
+        return config
+
+    @property
+    def runner_policy(self) -> Runner:
+        """The :class:`Runner` this config names, with ``eager_regions`` applied."""
+        runner = runners.get(self.runner)
+        if self.eager_regions is not None:
+            runner = dataclasses.replace(runner, eager_regions=self.eager_regions)
+        return runner
+
+    @property
+    def binding(self) -> str:
+        """The effective input binding: ``input_binding`` or the runner's default."""
+        if self.input_binding is not None:
+            return self.input_binding
+        return "strict" if self.runner_policy.persistent_inputs else "copy"
+
+    @property
+    def dump_folder(self) -> str | None:
+        """``dump_dir``, else the ``FXSPLIT_DUMP_DIR`` environment variable, else None."""
+        return self.dump_dir or os.environ.get("FXSPLIT_DUMP_DIR") or None
+
+
+def _type_error(key: str, value: Any, expected: str) -> TypeError:
+    return TypeError(
+        f"fxsplit option {key}={value!r} has type {type(value).__name__}; expected {expected}"
+    )
+
+
+def _choice(choices: tuple[str, ...]):
+    def check(key: str, value: Any) -> str:
+        if value not in choices:
+            raise ValueError(
+                f"fxsplit option {key}={value!r} is not allowed; "
+                f"choose one of {', '.join(map(repr, choices))}"
+            )
+        return value
+
+    return check
+
+
+def _optional(check):
+    return lambda key, value: None if value is None else check(key, value)
+
+
+def _strings(key: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, list | tuple | set | frozenset):
+        raise _type_error(key, value, "a list of strings")
+    bad = [v for v in value if not isinstance(v, str) or not v]
+    if bad:
+        raise ValueError(f"fxsplit option {key} holds {bad[0]!r}; every entry must be a non-empty str")
+    return tuple(value)
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _type_error(key, value, "a bool")
+    return value
+
+
+def _positive_int(key: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(key, value, "an int")
+    if value < minimum:
+        raise ValueError(f"fxsplit option {key}={value!r} must be >= {minimum}")
+    return value
+
+
+def _runner(key: str, value: Any) -> str | Runner:
+    if not isinstance(value, str | Runner):
+        raise _type_error(key, value, "a runner name (str) or fxsplit.runners.Runner")
+    runners.get(value)
+    return value
+
+
+def _module_regions(key: str, value: Any) -> Mapping[str, str]:
+    if not isinstance(value, Mapping):
+        raise _type_error(key, value, "a dict of module pattern -> region name")
+    for pattern, name in value.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"fxsplit option {key} has key {pattern!r}; keys must be non-empty str")
+        if not isinstance(name, str) or not name:
+            raise ValueError(
+                f"fxsplit option {key}[{pattern!r}]={name!r}; region names must be non-empty str"
+            )
+    return dict(value)
+
+
+def _splitting_ops(key: str, value: Any) -> tuple[str, ...]:
+    from fxsplit.passes.ops import parse_op_name
+
+    names = _strings(key, value)
+    for name in names:
+        parse_op_name(name)
+    return names
+
+
+def _capture_sizes(key: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise _type_error(key, value, "a list of positive ints")
+    seen: set[int] = set()
+    for size in value:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TypeError(f"fxsplit option {key} holds {size!r}; every entry must be an int")
+        if size <= 0:
+            raise ValueError(f"fxsplit option {key} holds {size!r}; capture sizes must be positive")
+        if size in seen:
+            raise ValueError(f"fxsplit option {key} holds {size!r} twice; sizes must be unique")
+        seen.add(size)
+    return tuple(value)
+
+
+def _dump_dir(key: str, value: Any) -> str:
+    if not isinstance(value, str | os.PathLike):
+        raise _type_error(key, value, "a folder path")
+    return os.fspath(value)
+
+
+_VALIDATORS = {
+    "runner": _runner,
+    "eager_regions": _optional(lambda k, v: frozenset(_strings(k, v))),
+    "splitting_ops": _splitting_ops,
+    "module_regions": _module_regions,
+    "eager_modules": _strings,
+    "capture": _choice(CAPTURE_MODES),
+    "capture_sizes": _optional(_capture_sizes),
+    "max_captured_keys": _positive_int,
+    "warmup_runs": lambda k, v: _positive_int(k, v, minimum=0),
+    "input_binding": _optional(_choice(INPUT_BINDINGS)),
+    "on_capture_error": _choice(ON_CAPTURE_ERROR),
+    "verify": _bool,
+    "clone_outputs": _bool,
+    "dump_dir": _optional(_dump_dir),
+}

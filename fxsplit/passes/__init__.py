@@ -1,0 +1,76 @@
+"""The split pipeline: normalise -> mark -> partition -> materialise.
+
+Each pass is a module with one job; :func:`split` runs them in order on a Dynamo GraphModule.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from torch.fx import GraphModule
+
+from fxsplit.passes import mark, materialise, normalise, partition
+from fxsplit.plan import Piece, SplitPlan
+
+__all__ = ["Split", "split"]
+
+
+@dataclass
+class Split:
+    """Everything :func:`split` produced for one graph."""
+
+    plan: SplitPlan
+    marks: mark.Marks
+    parts: list[partition.Part]
+    materialised: materialise.Materialised
+
+
+def split(
+    gm: GraphModule,
+    policy: mark.Policy,
+    *,
+    graph_id: str = "graph_0",
+    runner: str = "v1",
+    grad_at_entry: bool = True,
+) -> Split:
+    """Split ``gm`` (modified in place by the normalise pass) under ``policy``.
+
+    Args:
+        gm: a Dynamo GraphModule (nodes carry ``example_value`` meta); plain ``torch.fx``
+            graphs work too, without the Size and getitem rules that need it.
+        policy: what to run eagerly (:class:`fxsplit.passes.mark.Policy`).
+        graph_id: name of the graph in the plan and in generated code's file name.
+        runner: runner name recorded in the plan.
+        grad_at_entry: grad mode when the graph is called.
+
+    Returns:
+        a :class:`Split` with the :class:`~fxsplit.plan.SplitPlan`.
+    """
+    start = time.perf_counter()
+    normalise.normalise(gm.graph)
+    marks = mark.mark(gm.graph, policy)
+    parts = partition.partition(marks)
+    done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry)
+    pieces = tuple(
+        Piece(
+            name=module.name,
+            kind=part.kind,
+            regions=part.regions(marks),
+            reasons=part.reasons(marks),
+            num_ops=part.num_ops(),
+            nodes=tuple(n.name for n in part.nodes),
+            inputs=module.input_names,
+            outputs=module.output_names,
+        )
+        for part, module in zip(parts, done.pieces, strict=True)
+    )
+    plan = SplitPlan(
+        graph_id=graph_id,
+        runner=runner,
+        eager_regions=policy.eager_regions,
+        pieces=pieces,
+        num_nodes=len(gm.graph.nodes),
+        split_seconds=time.perf_counter() - start,
+    )
+    return Split(plan, marks, parts, done)

@@ -1,0 +1,179 @@
+"""Mark pass: decide for every node whether it must run eagerly, and record why.
+
+Reasons are strings: ``"region:<name>"`` (inside a region the runner runs eagerly),
+``"op:<ns::op>"`` (a configured splitting op), ``"module:<pattern>"`` (inside a module matched by
+``eager_modules``, or by a ``module_regions`` pattern whose region is eager) and
+``"unsafe:<ns::op>"`` (an op that can never be captured). Placeholders and ``get_attr`` nodes are
+never marked: Dynamo creates placeholders at their first use, so they inherit the annotations of
+whatever region first touched them.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, Node
+
+from fxsplit.passes.modules import ModuleMatcher
+from fxsplit.passes.normalise import is_multi_output_getitem, is_size
+from fxsplit.passes.ops import OpMatcher, op_name, op_names, unsafe_op
+from fxsplit.regions import node_regions
+from fxsplit.runners import Runner
+
+_ALLOCATIONS = frozenset(
+    {
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros",
+        "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full",
+    }
+)
+_VIEWS = frozenset(
+    {
+        "view", "view_as", "unsqueeze", "squeeze", "permute", "transpose", "t", "expand",
+        "expand_as", "narrow", "select", "split", "chunk", "unbind", "unflatten", "as_strided",
+        "detach", "alias", "movedim", "swapaxes", "diagonal",
+    }
+)
+_HOST_VALUES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool, torch.Size)
+
+
+@dataclass
+class Policy:
+    """What the mark pass looks for, built from a :class:`~fxsplit.config.Config`.
+
+    Raises:
+        ValueError: a malformed ``splitting_ops`` name.
+    """
+
+    eager_regions: frozenset[str]
+    splitting_ops: OpMatcher
+    module_regions: ModuleMatcher
+    eager_modules: ModuleMatcher
+
+    @classmethod
+    def build(cls, runner: Runner, splitting_ops=(), module_regions=None, eager_modules=()):
+        return cls(
+            frozenset(runner.eager_regions),
+            OpMatcher(splitting_ops),
+            ModuleMatcher(dict(module_regions or {})),
+            ModuleMatcher(list(eager_modules)),
+        )
+
+    def unused_patterns(self) -> list[str]:
+        """Configured splitting ops and module patterns that matched no node so far."""
+        return [
+            *(n for n in self.splitting_ops.names if n not in self.splitting_ops.used),
+            *(p for p in self.module_regions.patterns if p not in self.module_regions.used),
+            *(p for p in self.eager_modules.patterns if p not in self.eager_modules.used),
+        ]
+
+
+@dataclass
+class Marks:
+    """Result of the mark pass.
+
+    Attributes:
+        nodes: the nodes to partition, in graph order (no placeholder, get_attr or output).
+        reasons: eager nodes -> sorted reason strings.
+        regions: nodes inside any region -> region names (marked and module-matched).
+        follows: nodes that take another node's kind: a multi-output getitem its producer's,
+            a Size value its (single, next) user's.
+        trivial: nodes that launch no kernel (host values, allocations, views).
+    """
+
+    nodes: list[Node] = field(default_factory=list)
+    reasons: dict[Node, tuple[str, ...]] = field(default_factory=dict)
+    regions: dict[Node, tuple[str, ...]] = field(default_factory=dict)
+    follows: dict[Node, Node] = field(default_factory=dict)
+    trivial: set[Node] = field(default_factory=set)
+
+
+def _is_trivial(node: Node, value: object) -> bool:
+    if isinstance(value, _HOST_VALUES):
+        return True
+    if node.op == "call_function" and node.target is operator.getitem:
+        return not isinstance(value, torch.Tensor)
+    names = op_names(node)
+    if names is None or not names[0].startswith("aten::"):
+        return False
+    short = names[0][6:]
+    return short in _ALLOCATIONS or short in _VIEWS
+
+
+def mark(graph: Graph, policy: Policy) -> Marks:
+    """Mark every node of ``graph`` (normalised, see :mod:`fxsplit.passes.normalise`)."""
+    marks = Marks()
+    eager_regions = policy.eager_regions
+    splitting_ops = policy.splitting_ops or None
+    module_regions = policy.module_regions or None
+    eager_modules = policy.eager_modules or None
+    unsafe_cache: dict[object, str | None] = {}
+    trivial_cache: dict[object, bool] = {}
+    on_accelerator = any(
+        isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.device.type != "cpu"
+        for n in graph.find_nodes(op="placeholder")
+    )
+    for node in graph.nodes:
+        op = node.op
+        if op == "placeholder" or op == "get_attr" or op == "output":
+            continue
+        marks.nodes.append(node)
+        meta = node.meta
+        value = meta.get("example_value")
+        if is_multi_output_getitem(node):
+            marks.follows[node] = node.args[0]
+            marks.trivial.add(node)
+            continue
+        if value is not None and is_size(node):
+            # A Size copy is bookkeeping placed by normalise: it takes its user's kind and adds
+            # no region of its own.
+            marks.follows[node] = next(iter(node.users))
+            marks.trivial.add(node)
+            continue
+        regions = node_regions(meta.get("custom"))
+        reasons = [f"region:{r}" for r in regions if r in eager_regions]
+        if module_regions is not None:
+            for pattern, name in module_regions.match(node):
+                if name not in regions:
+                    regions += (name,)
+                if name in eager_regions:
+                    reasons += (f"region:{name}", f"module:{pattern}")
+        if eager_modules is not None:
+            reasons += (f"module:{p}" for p, _ in eager_modules.match(node))
+        if splitting_ops is not None:
+            name = splitting_ops.match(node)
+            if name is not None:
+                reasons.append(f"op:{name}")
+        key = (op, node.target)
+        try:
+            unsafe = unsafe_cache[key]
+            trivial = trivial_cache[key]
+        except KeyError:
+            unsafe = unsafe_cache[key] = unsafe_op(node)
+            trivial = trivial_cache[key] = _is_trivial(node, value)
+        except TypeError:
+            unsafe, trivial = unsafe_op(node), _is_trivial(node, value)
+        if unsafe is None and (
+            meta.get("unbacked_bindings")
+            or (on_accelerator and _copies_to_host(node, value))
+        ):
+            unsafe = op_name(node) or str(node.target)
+        if unsafe is not None:
+            reasons.append(f"unsafe:{unsafe}")
+        if regions:
+            marks.regions[node] = regions
+        if reasons:
+            marks.reasons[node] = tuple(sorted(set(reasons)))
+        if trivial or isinstance(value, _HOST_VALUES):
+            marks.trivial.add(node)
+    return marks
+
+
+def _copies_to_host(node: Node, value: object) -> bool:
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+        return False
+    return any(
+        isinstance(v := a.meta.get("example_value"), torch.Tensor) and v.device.type != "cpu"
+        for a in node.all_input_nodes
+    )

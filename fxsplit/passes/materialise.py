@@ -1,0 +1,152 @@
+"""Materialise pass: turn the parts into piece modules and a stitched top-level GraphModule.
+
+Each piece becomes a :class:`PieceModule` whose ``forward`` is generated straight from the
+original nodes (:mod:`fxsplit.passes.codegen`). The stitched module is a small
+``torch.fx.GraphModule``: the original placeholders and ``get_attr`` nodes, one ``call_module``
+per piece in order, a ``getitem`` per value a later piece or the output reads, and the original
+output.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from fxsplit.passes import global_state
+from fxsplit.passes.codegen import Codegen
+from fxsplit.passes.partition import Part
+
+
+class PieceModule(torch.nn.Module):
+    """One piece of a split graph; calling it runs the piece's nodes.
+
+    Attributes:
+        name: ``"piece_<i>"``.
+        kind: ``"captured"`` or ``"eager"``.
+        code: the generated Python source of ``forward``.
+        input_names / output_names: names of the values the piece reads / returns, in order.
+            A piece returns a single value as is, several as a tuple, none as None.
+    """
+
+    def __init__(self, name: str, kind: str, fn, code: str, inputs, outputs):
+        super().__init__()
+        self.name = name
+        self.kind = kind
+        self.forward = fn
+        self.code = code
+        self.input_names = tuple(inputs)
+        self.output_names = tuple(outputs)
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, kind={self.kind}"
+
+
+@dataclass
+class Materialised:
+    """Output of :func:`materialise`: the stitched module, its pieces and the piece source."""
+
+    stitched: GraphModule
+    pieces: list[PieceModule]
+    source: str
+
+
+def _io(parts: list[Part]) -> tuple[list[list[Node]], list[list[Node]]]:
+    owner: dict[Node, int] = {}
+    for i, part in enumerate(parts):
+        for node in part.nodes:
+            owner[node] = i
+    ins: list[list[Node]] = []
+    outs: list[list[Node]] = []
+    for i, part in enumerate(parts):
+        seen: dict[Node, None] = {}
+        produced: list[Node] = []
+        for node in part.nodes:
+            for a in node.all_input_nodes:
+                if owner.get(a) != i and a not in seen:
+                    seen[a] = None
+            for user in node.users:
+                if owner.get(user) != i:
+                    produced.append(node)
+                    break
+        # Autocast contexts are re-entered inside each piece (see global_state), never passed.
+        ins.append(
+            [a for a in seen if not (a.op == "call_function" and a.target is global_state.ENTER_AUTOCAST)]
+        )
+        outs.append(
+            [n for n in produced if not (n.op == "call_function" and n.target is global_state.ENTER_AUTOCAST)]
+        )
+    return ins, outs
+
+
+def _state_lines(cg: Codegen, state: global_state.PieceState, grad_at_entry: bool):
+    prologue, epilogue = [], []
+    if state.grad_in is not None:
+        prologue.append(f"{cg.target(global_state.SET_GRAD)}({state.grad_in})")
+    for enter in state.autocast_in:
+        prologue.append(f"{enter.name} = {cg.call(enter)}")
+    exit_ = cg.target(global_state.EXIT_AUTOCAST)
+    epilogue += [f"{exit_}({enter.name})" for enter in reversed(state.autocast_out)]
+    if state.grad_out is not None:
+        epilogue.append(f"{cg.target(global_state.SET_GRAD)}({grad_at_entry})")
+    return prologue, epilogue
+
+
+def materialise(
+    gm: GraphModule, parts: list[Part], filename: str, grad_at_entry: bool = True
+) -> Materialised:
+    """Build the piece modules and the stitched GraphModule for ``parts`` of ``gm``.
+
+    Args:
+        gm: the (normalised) Dynamo GraphModule the parts were cut from.
+        parts: the output of :func:`fxsplit.passes.partition.partition`.
+        filename: pseudo file name of the generated source (shown in tracebacks).
+        grad_at_entry: grad mode when the graph is called (Dynamo guards on it).
+    """
+    graph = gm.graph
+    cg = Codegen((n.name for n in graph.nodes), gm)
+    ins, outs = _io(parts)
+    states = global_state.track([p.nodes for p in parts], grad_at_entry)
+    sources = []
+    for i, part in enumerate(parts):
+        prologue, epilogue = _state_lines(cg, states[i], grad_at_entry)
+        sources.append(cg.function(f"piece_{i}", part.nodes, ins[i], outs[i], prologue, epilogue))
+    fns, source = cg.compile(sources, filename)
+
+    pieces = []
+    for i, part in enumerate(parts):
+        code = sources[i]
+        pieces.append(PieceModule(f"piece_{i}", part.kind, fns[i], code, [n.name for n in ins[i]], [n.name for n in outs[i]]))
+
+    stitched = Graph()
+    env: dict[Node, Node] = {}
+    attrs: dict[str, object] = {}
+    for node in graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            env[node] = stitched.node_copy(node, env.__getitem__)
+            if node.op == "get_attr":
+                attrs[node.target] = _fetch(gm, node.target)
+    for i, piece in enumerate(pieces):
+        attrs[piece.name] = piece
+        call = stitched.call_module(piece.name, tuple(env[a] for a in ins[i]))
+        if len(outs[i]) == 1:
+            env[outs[i][0]] = call
+        else:
+            for j, out in enumerate(outs[i]):
+                env[out] = stitched.create_node(
+                    "call_function", operator.getitem, (call, j), name=out.name
+                )
+    output = graph.output_node()
+    stitched.output(torch.fx.map_arg(output.args[0], env.__getitem__), output.type)
+    stitched._codegen = copy.deepcopy(graph._codegen)
+    return Materialised(GraphModule(attrs, stitched, class_name="FxsplitStitched"), pieces, source)
+
+
+def _fetch(gm: GraphModule, target: str) -> object:
+    obj: object = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj

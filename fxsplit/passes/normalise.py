@@ -1,0 +1,61 @@
+"""Normalise pass: rewrite the graph so that any contiguous cut of it is a valid piece boundary.
+
+Two rules, both needed before partitioning:
+
+- A ``torch.Size`` value never crosses a piece boundary (AOTAutograd and capture both reject
+  it as a piece input): every Size-valued node gets one copy per user, placed right before that
+  user, so it always lands in its user's piece. Its own inputs are tensors, which may cross.
+- A ``getitem`` on a multi-output value stays with its producer: it is moved right after the
+  producer (a pure read, so moving it earlier never changes a value).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Graph, Node
+
+
+def is_size(node: Node) -> bool:
+    """True when the node's traced value is a ``torch.Size``."""
+    return isinstance(node.meta.get("example_value"), torch.Size)
+
+
+def is_multi_output_getitem(node: Node) -> bool:
+    """True for ``operator.getitem`` on a tuple/list value produced by another node."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    source = node.args[0]
+    return (
+        isinstance(source, Node)
+        and source.op not in ("placeholder", "get_attr")
+        and isinstance(source.meta.get("example_value"), tuple | list)
+        and not is_size(source)
+    )
+
+
+def normalise(graph: Graph) -> None:
+    """Apply both rules to ``graph`` in place."""
+    anchors: dict[Node, Node] = {}
+    sizes: list[Node] = []
+    for node in graph.nodes:
+        if is_multi_output_getitem(node):
+            producer = node.args[0]
+            anchor = anchors.get(producer, producer)
+            if anchor.next is not node:
+                anchor.append(node)
+            anchors[producer] = node
+        if is_size(node) and node.op != "placeholder":
+            sizes.append(node)
+    # Reverse order: a Size computed from another Size is copied first, so the upstream Size then
+    # sees one user per copy.
+    for node in reversed(sizes):
+        users = list(node.users)
+        if len(users) == 1 and node.next is users[0]:
+            continue
+        for user in users:
+            with graph.inserting_before(user):
+                copy = graph.node_copy(node)
+            user.replace_input_with(node, copy)
+        graph.erase_node(node)

@@ -1,0 +1,150 @@
+"""Op names of FX nodes, and the two op-level rules: configured splitting ops and unsafe ops.
+
+Names take the dispatcher's form ``"ns::op"`` or ``"ns::op.overload"``. A Dynamo graph holds the
+same aten op in three shapes: an OpOverload/OpOverloadPacket target (``torch.ops.aten.topk``), a
+torch-level function (``torch.topk``, ``torch._C._nn.linear``) and a Tensor method
+(``x.topk(...)``, a ``call_method`` node). All three are named ``"aten::topk"`` here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch.fx import Node
+
+_OP_NAME = re.compile(r"^([A-Za-z_]\w*)::([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?$")
+
+# aten ops whose output shape or value depends on tensor data, so a graph cannot be captured
+# around them. aten::index carries the dynamic_output_shape tag only for boolean masks, and
+# repeat_interleave/one_hot only without a static size: those show up as unbacked SymInts instead.
+_DATA_DEPENDENT = frozenset(
+    {
+        "nonzero", "argwhere", "unique", "_unique", "_unique2", "unique_consecutive",
+        "unique_dim", "masked_select", "bincount", "item", "_local_scalar_dense",
+    }
+)
+# Tensor methods and torch functions that read device memory on the host.
+_HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "synchronize"})
+
+
+def parse_op_name(name: str) -> tuple[str, str, str | None]:
+    """Split ``"ns::op"`` / ``"ns::op.overload"`` into ``(ns, op, overload or None)``.
+
+    Raises:
+        ValueError: ``name`` is not of that form (the message shows the form expected).
+    """
+    match = _OP_NAME.match(name) if isinstance(name, str) else None
+    if match is None:
+        raise ValueError(
+            f"malformed op name {name!r}; expected 'namespace::op' or 'namespace::op.overload', "
+            "e.g. 'aten::topk' or 'mylib::attention.default'"
+        )
+    return match.group(1), match.group(2), match.group(3)
+
+
+def op_names(node: Node) -> tuple[str, str | None] | None:
+    """``("ns::op", overload)`` for a call node, overload None when the target names no overload.
+
+    OpOverloadPacket targets, torch-level functions and Tensor methods have no overload; an
+    OpOverload's default overload is ``"default"``. Returns None for nodes that are not ops
+    (placeholders, outputs, Python builtins such as ``operator.getitem``).
+    """
+    target = node.target
+    if node.op == "call_method":
+        return f"aten::{target}", None
+    if node.op != "call_function":
+        return None
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name, target._overloadname
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name, None
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", None)
+    if name and module.startswith("torch") and not module.startswith("torch.fx"):
+        return f"aten::{name}", None
+    return None
+
+
+def op_name(node: Node) -> str | None:
+    """The node's op name, ``"ns::op"`` or ``"ns::op.overload"``; None if it is not an op."""
+    names = op_names(node)
+    if names is None:
+        return None
+    base, overload = names
+    return base if overload in (None, "default") else f"{base}.{overload}"
+
+
+class OpMatcher:
+    """Matches nodes against configured op names (``splitting_ops``).
+
+    ``"ns::op"`` matches every overload of the op; ``"ns::op.overload"`` matches that overload,
+    and a target that names no overload (a packet, a torch function, a Tensor method) matches
+    every configured overload of its op. Results are cached per target.
+
+    Raises:
+        ValueError: a malformed name (see :func:`parse_op_name`).
+    """
+
+    def __init__(self, names: Iterable[str]):
+        self._by_op: dict[str, list[tuple[str | None, str]]] = {}
+        for name in names:
+            ns, op, overload = parse_op_name(name)
+            self._by_op.setdefault(f"{ns}::{op}", []).append((overload, name))
+        self._cache: dict[object, str | None] = {}
+        self.used: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self._by_op)
+
+    @property
+    def names(self) -> list[str]:
+        """Every configured name."""
+        return [name for entries in self._by_op.values() for _, name in entries]
+
+    def match(self, node: Node) -> str | None:
+        """The configured name ``node`` matches, or None."""
+        key = (node.op, node.target)
+        try:
+            return self._cache[key]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable target: match without caching
+            return self._match(node)
+        found = self._cache[key] = self._match(node)
+        return found
+
+    def _match(self, node: Node) -> str | None:
+        names = op_names(node)
+        if names is None:
+            return None
+        base, overload = names
+        for wanted, name in self._by_op.get(base, ()):
+            if wanted is None or overload is None or wanted == overload:
+                self.used.add(name)
+                return name
+        return None
+
+
+def unsafe_op(node: Node) -> str | None:
+    """The op name if ``node`` can never be captured in a CUDA/HIP graph, else None.
+
+    Unsafe: ops tagged ``torch.Tag.cudagraph_unsafe``; ops with data-dependent output shapes or
+    values (nonzero, unique, masked_select, item, ...) and host reads of device memory
+    (``.item()``, ``.tolist()``, ``.cpu()``, synchronize). Decided from the target alone; the mark
+    pass adds the node-level rules (unbacked SymInts, device-to-host copies).
+    """
+    names = op_names(node)
+    if names is None:
+        return None
+    base, overload = names
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, overload or "default", None)
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.cudagraph_unsafe in target.tags:
+        return op_name(node)
+    short = base.partition("::")[2]
+    if base.startswith("aten::") and (short in _DATA_DEPENDENT or short in _HOST_READS):
+        return op_name(node)
+    return None

@@ -1,0 +1,87 @@
+"""Split plans: what the backend decided for one compiled graph, as plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One piece of a split graph.
+
+    Attributes:
+        name: ``"piece_<i>"``, in execution order.
+        kind: ``"captured"`` (replayed as a CUDA/HIP graph) or ``"eager"``.
+        regions: region names of the piece's nodes, eager or not.
+        reasons: sorted reasons of its eager nodes: ``"region:<name>"``, ``"op:<ns::op>"``,
+            ``"module:<pattern>"``, ``"unsafe:<ns::op>"``; empty for captured pieces.
+        num_ops: call_function / call_method / call_module nodes, not counting getitem.
+        nodes: names of its nodes, in graph order.
+        inputs: names of the values it reads from placeholders or earlier pieces.
+        outputs: names of the values it hands to later pieces or the graph output.
+    """
+
+    name: str
+    kind: str
+    regions: frozenset[str]
+    reasons: tuple[str, ...]
+    num_ops: int
+    nodes: tuple[str, ...] = ()
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """The split of one Dynamo graph.
+
+    Attributes:
+        graph_id: ``"graph_<n>"``, numbered per backend in compile order.
+        runner: the runner name the plan was made for.
+        eager_regions: region names the runner ran eagerly.
+        pieces: the pieces, in execution order.
+        num_nodes: nodes of the Dynamo graph, placeholders and output included.
+        split_seconds: wall time of the split (normalise, mark, partition, materialise).
+    """
+
+    graph_id: str
+    runner: str
+    eager_regions: frozenset[str]
+    pieces: tuple[Piece, ...]
+    num_nodes: int = 0
+    split_seconds: float = field(default=0.0, compare=False)
+
+    @property
+    def captured(self) -> list[Piece]:
+        """The captured pieces."""
+        return [p for p in self.pieces if p.kind == "captured"]
+
+    @property
+    def eager(self) -> list[Piece]:
+        """The eager pieces."""
+        return [p for p in self.pieces if p.kind == "eager"]
+
+    def format(self) -> str:
+        """Deterministic text table of the plan (no timings, no node names)."""
+        head = (
+            f"{self.graph_id} runner={self.runner} "
+            f"eager_regions={','.join(sorted(self.eager_regions)) or '-'}: "
+            f"{len(self.pieces)} pieces, {len(self.captured)} captured, {len(self.eager)} eager"
+        )
+        rows = [("piece", "kind", "ops", "regions", "reasons")]
+        for p in self.pieces:
+            rows.append(
+                (
+                    p.name,
+                    p.kind,
+                    str(p.num_ops),
+                    ",".join(sorted(p.regions)) or "-",
+                    ",".join(p.reasons) or "-",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [head]
+        for row in rows:
+            cells = [row[i].ljust(widths[i]) if i != 2 else row[i].rjust(widths[i]) for i in range(4)]
+            lines.append("  ".join([*cells, row[4]]).rstrip())
+        return "\n".join(lines)
