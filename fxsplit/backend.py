@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import warnings
@@ -11,7 +12,7 @@ import torch
 from torch.fx import GraphModule
 
 from fxsplit.config import Config
-from fxsplit.passes import split
+from fxsplit.passes import Split, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
 
@@ -29,6 +30,8 @@ class Backend:
         config: the validated options.
         plans: one :class:`~fxsplit.plan.SplitPlan` per graph compiled since the last reset, in
             compile order (a recompile appends one).
+        compiled: the matching :class:`fxsplit.passes.Split` results (stitched module, pieces,
+            marks), for inspection and dumps.
 
     Raises:
         ValueError / TypeError: bad options (see :meth:`fxsplit.config.Config.from_options`).
@@ -37,7 +40,7 @@ class Backend:
     def __init__(self, **options):
         self.config = Config.from_options(options)
         self.plans: list[SplitPlan] = []
-        self._graphs: list[object] = []
+        self.compiled: list[Split] = []
         self._count = 0
         self._lock = threading.Lock()
         self._matched: set[str] = set()
@@ -75,13 +78,21 @@ class Backend:
         policy = Policy.build(
             runner, config.splitting_ops, config.module_regions, config.eager_modules
         )
-        result = split(
-            gm,
-            policy,
-            graph_id=graph_id,
-            runner=runner.name,
-            grad_at_entry=torch.is_grad_enabled(),
-        )
+        # The split allocates many small objects while a large graph is alive; cyclic GC passes
+        # over that graph would dominate its cost.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            result = split(
+                gm,
+                policy,
+                graph_id=graph_id,
+                runner=runner.name,
+                grad_at_entry=torch.is_grad_enabled(),
+            )
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         self._warn_unmatched(policy)
         plan = result.plan
         self.plans.append(plan)
@@ -94,9 +105,8 @@ class Backend:
             len(plan.eager),
             plan.split_seconds * 1e3,
         )
-        stitched = result.materialised.stitched
-        self._graphs.append(stitched)
-        return stitched.forward
+        self.compiled.append(result)
+        return result.materialised.stitched.forward
 
     def _warn_unmatched(self, policy: Policy) -> None:
         matched = policy.splitting_ops.used | policy.module_regions.used
@@ -114,7 +124,7 @@ class Backend:
     def reset(self) -> None:
         """Forget every plan and compiled graph and free their memory; safe to call repeatedly."""
         self.plans.clear()
-        self._graphs.clear()
+        self.compiled.clear()
         self._count = 0
         self._matched.clear()
         self._warned.clear()

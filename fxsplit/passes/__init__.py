@@ -51,7 +51,9 @@ def split(
     normalise.normalise(gm.graph)
     marks = mark.mark(gm.graph, policy)
     parts = partition.partition(marks)
-    done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry)
+    done = materialise.materialise(
+        gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host
+    )
     pieces = tuple(
         Piece(
             name=module.name,

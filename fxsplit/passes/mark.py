@@ -80,6 +80,8 @@ class Marks:
         follows: nodes that take another node's kind: a multi-output getitem its producer's,
             a Size value its (single, next) user's.
         trivial: nodes that launch no kernel (host values, allocations, views).
+        host: nodes that only turn a graph input into a host value; they run in the stitched
+            module before any piece, like placeholders (see :func:`is_host_input`).
     """
 
     nodes: list[Node] = field(default_factory=list)
@@ -87,6 +89,22 @@ class Marks:
     regions: dict[Node, tuple[str, ...]] = field(default_factory=dict)
     follows: dict[Node, Node] = field(default_factory=dict)
     trivial: set[Node] = field(default_factory=set)
+    host: list[Node] = field(default_factory=list)
+
+
+def is_host_input(node: Node) -> bool:
+    """``.item()`` of a Python float Dynamo passed in as a 0-dim tensor (``dynamic=True`` lifts
+    float attributes such as ``eps`` this way). It reads host memory, never device memory, so it
+    is no sync; it runs before the pieces and its value reaches them as an input.
+    """
+    if node.op != "call_method" or node.target != "item" or len(node.args) != 1:
+        return False
+    source = node.args[0]
+    return (
+        isinstance(source, Node)
+        and source.op == "placeholder"
+        and getattr(source.meta.get("grapharg"), "pass_arg_as_tensor", False)
+    )
 
 
 def _is_trivial(node: Node, value: object) -> bool:
@@ -117,6 +135,9 @@ def mark(graph: Graph, policy: Policy) -> Marks:
     for node in graph.nodes:
         op = node.op
         if op == "placeholder" or op == "get_attr" or op == "output":
+            continue
+        if op == "call_method" and is_host_input(node):
+            marks.host.append(node)
             continue
         marks.nodes.append(node)
         meta = node.meta

@@ -96,7 +96,11 @@ def _state_lines(cg: Codegen, state: global_state.PieceState, grad_at_entry: boo
 
 
 def materialise(
-    gm: GraphModule, parts: list[Part], filename: str, grad_at_entry: bool = True
+    gm: GraphModule,
+    parts: list[Part],
+    filename: str,
+    grad_at_entry: bool = True,
+    host: list[Node] = (),
 ) -> Materialised:
     """Build the piece modules and the stitched GraphModule for ``parts`` of ``gm``.
 
@@ -105,6 +109,8 @@ def materialise(
         parts: the output of :func:`fxsplit.passes.partition.partition`.
         filename: pseudo file name of the generated source (shown in tracebacks).
         grad_at_entry: grad mode when the graph is called (Dynamo guards on it).
+        host: nodes to run in the stitched module before the pieces (see
+            :func:`fxsplit.passes.mark.is_host_input`).
     """
     graph = gm.graph
     cg = Codegen((n.name for n in graph.nodes), gm)
@@ -129,6 +135,8 @@ def materialise(
             env[node] = stitched.node_copy(node, env.__getitem__)
             if node.op == "get_attr":
                 attrs[node.target] = _fetch(gm, node.target)
+    for node in host:
+        env[node] = stitched.node_copy(node, env.__getitem__)
     for i, piece in enumerate(pieces):
         attrs[piece.name] = piece
         call = stitched.call_module(piece.name, tuple(env[a] for a in ins[i]))

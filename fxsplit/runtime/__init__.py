@@ -1,0 +1,1 @@
+"""Runtime support for fxsplit: graph capture wrappers and the CPU capture emulator."""

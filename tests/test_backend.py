@@ -1,0 +1,102 @@
+"""The backend as torch.compile users meet it: string lookup, plans, explain, reset."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit.models import deepseek_v4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_string_backend_in_fresh_process_without_importing_fxsplit():
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        def f(x):
+            return x.sin() + 1
+        out = torch.compile(f, backend="fxsplit")(torch.ones(3))
+        assert torch.equal(out, torch.ones(3).sin() + 1)
+        assert "fxsplit" in sys.modules
+        import fxsplit
+        print(len(fxsplit.plans()))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "1"
+
+
+def test_string_backend_collects_plans_until_reset():
+    torch.compile(lambda x: x.cos() * 2, backend="fxsplit")(torch.ones(2))
+    assert [p.graph_id for p in fxsplit.plans()] == ["graph_0"]
+    torch._dynamo.reset()
+    assert fxsplit.plans() == []
+
+
+def test_backend_object_keeps_its_own_plans():
+    a, b = fxsplit.Backend(), fxsplit.Backend(runner="v2")
+    torch.compile(lambda x: x + 1, backend=a)(torch.ones(2))
+    assert len(a.plans) == 1 and b.plans == [] and fxsplit.plans() == []
+
+
+def test_options_reach_the_string_backend():
+    def f(x):
+        with fxsplit.region("mine"):
+            x = x.sin()
+        return x.cos()
+
+    torch.compile(f, backend="fxsplit", options={"eager_regions": ["mine"]})(torch.ones(2))
+    assert [p.kind for p in fxsplit.plans()[0].pieces] == ["eager", "captured"]
+
+
+def test_recompile_appends_a_plan():
+    backend = fxsplit.Backend()
+    f = torch.compile(lambda x: x * 2, backend=backend, dynamic=False)
+    f(torch.ones(2))
+    f(torch.ones(3))
+    assert [p.graph_id for p in backend.plans] == ["graph_0", "graph_1"]
+
+
+def test_explain_returns_plans_of_every_graph_after_graph_breaks():
+    def f(x, scale=1.0):
+        x = x.sin()
+        print("graph break")
+        with fxsplit.region(fxsplit.ATTENTION):
+            x = x.softmax(-1)
+        return x * scale
+
+    plans = fxsplit.explain(f, torch.randn(2, 3), kwargs={"scale": 2.0})
+    assert len(plans) == 2
+    assert [p.kind for p in plans[1].pieces] == ["eager", "captured"]
+    assert plans[1].pieces[0].reasons == ("region:attention",)
+
+
+def test_deepseek_v4_equals_eager_over_steps_for_both_runners():
+    for runner, persistent in (("v1", False), ("v2", True)):
+        torch._dynamo.reset()
+        model = deepseek_v4.build()
+        reference = deepseek_v4.clone_model(model)
+        steps = [3, 4, 2, 5, 4]
+        compiled = torch.compile(model, backend=fxsplit.Backend(runner=runner), dynamic=True)
+        got = deepseek_v4.run_decode(
+            compiled, deepseek_v4.DecodeRunner(model.config, 8, persistent=persistent), steps
+        )
+        want = deepseek_v4.run_decode(
+            reference, deepseek_v4.DecodeRunner(model.config, 8, persistent=persistent), steps
+        )
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
