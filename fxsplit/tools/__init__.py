@@ -1,0 +1,1 @@
+"""Command-line tools: ``fxsplit demo`` and friends."""
