@@ -1,4 +1,4 @@
-"""Backend options: one dataclass, one validator, shared by ``options={...}`` and ``Backend(**kw)``."""
+"""Backend options: one dataclass and one validator for ``options={...}`` and ``Backend(**kw)``."""
 
 from __future__ import annotations
 
@@ -130,7 +130,9 @@ def _strings(key: str, value: Any) -> tuple[str, ...]:
         raise _type_error(key, value, "a list of strings")
     bad = [v for v in value if not isinstance(v, str) or not v]
     if bad:
-        raise ValueError(f"fxsplit option {key} holds {bad[0]!r}; every entry must be a non-empty str")
+        raise ValueError(
+            f"fxsplit option {key} holds {bad[0]!r}; every entry must be a non-empty str"
+        )
     return tuple(value)
 
 
@@ -160,7 +162,9 @@ def _module_regions(key: str, value: Any) -> Mapping[str, str]:
         raise _type_error(key, value, "a dict of module pattern -> region name")
     for pattern, name in value.items():
         if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"fxsplit option {key} has key {pattern!r}; keys must be non-empty str")
+            raise ValueError(
+                f"fxsplit option {key} has key {pattern!r}; keys must be non-empty str"
+            )
         if not isinstance(name, str) or not name:
             raise ValueError(
                 f"fxsplit option {key}[{pattern!r}]={name!r}; region names must be non-empty str"

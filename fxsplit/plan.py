@@ -82,6 +82,8 @@ class SplitPlan:
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [head]
         for row in rows:
-            cells = [row[i].ljust(widths[i]) if i != 2 else row[i].rjust(widths[i]) for i in range(4)]
+            cells = [
+                row[i].ljust(widths[i]) if i != 2 else row[i].rjust(widths[i]) for i in range(4)
+            ]
             lines.append("  ".join([*cells, row[4]]).rstrip())
         return "\n".join(lines)

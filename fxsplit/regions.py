@@ -34,7 +34,7 @@ def _warn_graph_break(name: str) -> None:
     _warned_graph_break.add(name)
     warnings.warn(
         f"fxsplit.region({name!r}) ran eagerly inside torch.compile: a graph break inside the "
-        "region made Dynamo skip the whole frame (torch logs \"WON'T CONVERT\"), so fxsplit never "
+        'region made Dynamo skip the whole frame (torch logs "WON\'T CONVERT"), so fxsplit never '
         "saw it. Move the graph break out of the region.",
         RuntimeWarning,
         stacklevel=4,

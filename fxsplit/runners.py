@@ -42,7 +42,9 @@ class Runner:
         regions = frozenset(regions)
         bad = sorted(repr(r) for r in regions if not isinstance(r, str) or not r)
         if bad:
-            raise ValueError(f"Runner eager_regions must be non-empty strings, got {', '.join(bad)}")
+            raise ValueError(
+                f"Runner eager_regions must be non-empty strings, got {', '.join(bad)}"
+            )
         object.__setattr__(self, "eager_regions", regions)
         if not isinstance(self.persistent_inputs, bool):
             raise TypeError(

@@ -36,29 +36,37 @@ class Nested(torch.nn.Module):
 class GoldenPlans(TestCase):
     def test_deepseek_v4_v1_one_eager_piece_per_layer(self):
         backend = _deepseek("v1")
-        self.assertExpectedInline(backend.plans[0].format(), """\
+        self.assertExpectedInline(
+            backend.plans[0].format(),
+            """\
 graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
 piece    kind      ops  regions                             reasons
 piece_0  captured   16  -                                   -
 piece_1  eager      78  attention,attn_prep,sparse_indexer  region:attention,region:attn_prep,region:sparse_indexer
 piece_2  captured   24  -                                   -
 piece_3  eager      78  attention,attn_prep,sparse_indexer  region:attention,region:attn_prep,region:sparse_indexer
-piece_4  captured   11  -                                   -""")
+piece_4  captured   11  -                                   -""",
+        )
 
     def test_deepseek_v4_v2_captures_prep(self):
         backend = _deepseek("v2")
-        self.assertExpectedInline(backend.plans[0].format(), """\
+        self.assertExpectedInline(
+            backend.plans[0].format(),
+            """\
 graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
 piece    kind      ops  regions                   reasons
 piece_0  captured   73  attn_prep                 -
 piece_1  eager      21  attention,sparse_indexer  region:attention,region:sparse_indexer
 piece_2  captured   81  attn_prep                 -
 piece_3  eager      21  attention,sparse_indexer  region:attention,region:sparse_indexer
-piece_4  captured   11  -                         -""")
+piece_4  captured   11  -                         -""",
+        )
 
     def test_deepseek_v4_v1_stitched_code(self):
         backend = _deepseek("v1")
-        self.assertExpectedInline(stitched_code(backend), """\
+        self.assertExpectedInline(
+            stitched_code(backend),
+            """\
 def forward(self, IN0, IN1, IN2, IN3, IN4, IN5, IN6, IN7, IN8, IN9, IN10, IN11, IN12, IN13, IN14, IN15, IN16, IN17, IN18, IN19, IN20, IN21, IN22, IN23, IN24, IN25, IN26, IN27, IN28, IN29, IN30, IN31, IN32, IN33, IN34, IN35, IN36, IN37, IN38, IN39, IN40, IN41, IN42, IN43, IN44, IN45, IN46, IN47, IN48, IN49, IN50, IN51, IN52, IN53, IN54, IN55, IN56, IN57, IN58, IN59, IN60, IN61, IN62, IN63, IN64, IN65, IN66, IN67):
     in0 = IN0
     in2 = IN2
@@ -163,17 +171,23 @@ def forward(self, IN0, IN1, IN2, IN3, IN4, IN5, IN6, IN7, IN8, IN9, IN10, IN11, 
     iw_1 = piece_2[7];  piece_2 = None
     piece_3 = self.piece_3(in21, in53, IN1, q_pe_2, k_pe_2, iq_2, ik_2, in54, in23, latent_3, in55, in56, in27, in28, iw_1, in57, q_nope_1, item_13);  in21 = in53 = IN1 = q_pe_2 = k_pe_2 = iq_2 = ik_2 = in54 = in23 = latent_3 = in55 = in56 = in27 = in28 = iw_1 = in57 = q_nope_1 = item_13 = None
     piece_4 = self.piece_4(piece_3, in59, h_2, in60, item_14, in62, in63, in64, in65, item_15, in67);  piece_3 = in59 = h_2 = in60 = item_14 = in62 = in63 = in64 = in65 = item_15 = in67 = None
-    return (piece_4,)""")
+    return (piece_4,)""",
+        )
 
     def test_nested_regions_fold_into_one_eager_piece(self):
         backend, _ = compile_and_run(Nested(), (torch.randn(3, 8),), runner="v1")
-        self.assertExpectedInline(backend.plans[0].format(), """\
+        self.assertExpectedInline(
+            backend.plans[0].format(),
+            """\
 graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
 piece    kind      ops  regions          reasons
 piece_0  captured    3  outer            -
 piece_1  eager       1  attention,outer  region:attention
-piece_2  captured    3  outer            -""")
-        self.assertExpectedInline(stitched_code(backend), """\
+piece_2  captured    3  outer            -""",
+        )
+        self.assertExpectedInline(
+            stitched_code(backend),
+            """\
 def forward(self, IN0, IN1, IN2, IN3):
     in0 = IN0
     in1 = IN1
@@ -181,31 +195,38 @@ def forward(self, IN0, IN1, IN2, IN3):
     piece_0 = self.piece_0(in3, in0, in1);  in3 = None
     piece_1 = self.piece_1(piece_0);  piece_0 = None
     piece_2 = self.piece_2(piece_1, in0, in1);  piece_1 = in0 = in1 = None
-    return (piece_2,)""")
+    return (piece_2,)""",
+        )
 
     def test_nested_regions_outer_eager(self):
         backend, _ = compile_and_run(
             Nested(), (torch.randn(3, 8),), eager_regions=["outer"], dynamic=False
         )
-        self.assertExpectedInline(backend.plans[0].format(), """\
+        self.assertExpectedInline(
+            backend.plans[0].format(),
+            """\
 graph_0 runner=v1 eager_regions=outer: 3 pieces, 2 captured, 1 eager
 piece    kind      ops  regions          reasons
 piece_0  captured    2  -                -
 piece_1  eager       3  attention,outer  region:outer
-piece_2  captured    2  -                -""")
+piece_2  captured    2  -                -""",
+        )
 
     def test_splitting_ops_llama(self):
         model, inputs = llama.example()
         backend, out = compile_and_run(model, inputs, splitting_ops=list(llama.SPLITTING_OPS))
         torch.testing.assert_close(out, model(*inputs), rtol=0, atol=0)
-        self.assertExpectedInline(backend.plans[0].format(), """\
+        self.assertExpectedInline(
+            backend.plans[0].format(),
+            """\
 graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
 piece    kind      ops  regions  reasons
 piece_0  captured   30  -        -
 piece_1  eager       1  -        op:fxsplit::llama_attention
 piece_2  captured   35  -        -
 piece_3  eager       1  -        op:fxsplit::llama_attention
-piece_4  captured   12  -        -""")
+piece_4  captured   12  -        -""",
+        )
 
     def test_module_regions(self):
         model, inputs = llama.example()
@@ -215,11 +236,14 @@ piece_4  captured   12  -        -""")
             module_regions={"layers.*.k_proj": "attention", "RMSNorm": "norms"},
             eager_regions=["attention"],
         )
-        self.assertExpectedInline(backend.plans[0].format(), """\
+        self.assertExpectedInline(
+            backend.plans[0].format(),
+            """\
 graph_0 runner=v1 eager_regions=attention: 5 pieces, 3 captured, 2 eager
 piece    kind      ops  regions    reasons
 piece_0  captured   16  norms      -
 piece_1  eager       1  attention  module:layers.*.k_proj,region:attention
 piece_2  captured   35  norms      -
 piece_3  eager       1  attention  module:layers.*.k_proj,region:attention
-piece_4  captured   26  norms      -""")
+piece_4  captured   26  norms      -""",
+        )

@@ -51,9 +51,7 @@ def split(
     normalise.normalise(gm.graph)
     marks = mark.mark(gm.graph, policy)
     parts = partition.partition(marks)
-    done = materialise.materialise(
-        gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host
-    )
+    done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host)
     pieces = tuple(
         Piece(
             name=module.name,

@@ -24,15 +24,45 @@ from fxsplit.runners import Runner
 
 _ALLOCATIONS = frozenset(
     {
-        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros",
-        "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "zeros",
+        "zeros_like",
+        "new_zeros",
+        "ones",
+        "ones_like",
+        "new_ones",
+        "full",
+        "full_like",
+        "new_full",
     }
 )
 _VIEWS = frozenset(
     {
-        "view", "view_as", "unsqueeze", "squeeze", "permute", "transpose", "t", "expand",
-        "expand_as", "narrow", "select", "split", "chunk", "unbind", "unflatten", "as_strided",
-        "detach", "alias", "movedim", "swapaxes", "diagonal",
+        "view",
+        "view_as",
+        "unsqueeze",
+        "squeeze",
+        "permute",
+        "transpose",
+        "t",
+        "expand",
+        "expand_as",
+        "narrow",
+        "select",
+        "split",
+        "chunk",
+        "unbind",
+        "unflatten",
+        "as_strided",
+        "detach",
+        "alias",
+        "movedim",
+        "swapaxes",
+        "diagonal",
     }
 )
 _HOST_VALUES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool, torch.Size)
@@ -176,8 +206,7 @@ def mark(graph: Graph, policy: Policy) -> Marks:
         except TypeError:
             unsafe, trivial = unsafe_op(node), _is_trivial(node, value)
         if unsafe is None and (
-            meta.get("unbacked_bindings")
-            or (on_accelerator and _copies_to_host(node, value))
+            meta.get("unbacked_bindings") or (on_accelerator and _copies_to_host(node, value))
         ):
             unsafe = op_name(node) or str(node.target)
         if unsafe is not None:

@@ -74,10 +74,18 @@ def _io(parts: list[Part]) -> tuple[list[list[Node]], list[list[Node]]]:
                     break
         # Autocast contexts are re-entered inside each piece (see global_state), never passed.
         ins.append(
-            [a for a in seen if not (a.op == "call_function" and a.target is global_state.ENTER_AUTOCAST)]
+            [
+                a
+                for a in seen
+                if not (a.op == "call_function" and a.target is global_state.ENTER_AUTOCAST)
+            ]
         )
         outs.append(
-            [n for n in produced if not (n.op == "call_function" and n.target is global_state.ENTER_AUTOCAST)]
+            [
+                n
+                for n in produced
+                if not (n.op == "call_function" and n.target is global_state.ENTER_AUTOCAST)
+            ]
         )
     return ins, outs
 
@@ -125,7 +133,16 @@ def materialise(
     pieces = []
     for i, part in enumerate(parts):
         code = sources[i]
-        pieces.append(PieceModule(f"piece_{i}", part.kind, fns[i], code, [n.name for n in ins[i]], [n.name for n in outs[i]]))
+        pieces.append(
+            PieceModule(
+                f"piece_{i}",
+                part.kind,
+                fns[i],
+                code,
+                [n.name for n in ins[i]],
+                [n.name for n in outs[i]],
+            )
+        )
 
     stitched = Graph()
     env: dict[Node, Node] = {}

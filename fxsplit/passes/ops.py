@@ -21,8 +21,17 @@ _OP_NAME = re.compile(r"^([A-Za-z_]\w*)::([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?$")
 # repeat_interleave/one_hot only without a static size: those show up as unbacked SymInts instead.
 _DATA_DEPENDENT = frozenset(
     {
-        "nonzero", "argwhere", "unique", "_unique", "_unique2", "unique_consecutive",
-        "unique_dim", "masked_select", "bincount", "item", "_local_scalar_dense",
+        "nonzero",
+        "argwhere",
+        "unique",
+        "_unique",
+        "_unique2",
+        "unique_consecutive",
+        "unique_dim",
+        "masked_select",
+        "bincount",
+        "item",
+        "_local_scalar_dense",
     }
 )
 # Tensor methods and torch functions that read device memory on the host.

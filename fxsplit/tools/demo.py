@@ -33,8 +33,10 @@ def _deepseek(console: Console, runner: str) -> bool:
     compiled = torch.compile(model, backend=backend, dynamic=True)
     feed = deepseek_v4.DecodeRunner(model.config, max(STEPS), persistent=persistent)
     feed_ref = deepseek_v4.DecodeRunner(model.config, max(STEPS), persistent=persistent)
-    table = Table(title=f"DeepSeek-V4 decode, runner {runner} (metadata: "
-                  f"{'persistent buffers' if persistent else 'fresh tensors each step'})")
+    table = Table(
+        title=f"DeepSeek-V4 decode, runner {runner} (metadata: "
+        f"{'persistent buffers' if persistent else 'fresh tensors each step'})"
+    )
     for column in ("step", "batch", "max |fxsplit - eager|", "ok"):
         table.add_column(column)
     ok = True
