@@ -1,0 +1,623 @@
+"""CPU capture emulator: a stand-in for ``torch.cuda.CUDAGraph`` with CUDA-graph semantics.
+
+CPU CI has no CUDA graphs, so capture bugs (host syncs, data-dependent shapes, stale reads of
+inputs that were replaced instead of refilled, outputs assumed to survive the next replay) would
+only show up on a GPU. :class:`EmulatedGraph` reproduces them on CPU:
+
+* ``capture(fn, *args)`` runs ``fn`` once, eagerly, under a ``TorchDispatchMode`` that records
+  every aten op with the exact tensor objects involved, and a ``TorchFunctionMode`` that rejects
+  host reads (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``, ``if t:``,
+  ``int(t)``, printing a tensor, ...) which on CPU tensors never reach the dispatcher.
+* ``replay()`` re-runs the record on the same tensors (frozen addresses): data written in place
+  into the recorded inputs is seen, a different tensor object is not, Python values seen at capture
+  stay frozen, and results are written into the recorded output tensors (the next replay
+  overwrites them).
+
+Everything else about devices is out of reach of a CPU emulator; see :class:`EmulatedGraph` for the
+caveats.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+__all__ = ["CaptureError", "EmulatedGraph"]
+
+aten = torch.ops.aten
+
+
+class CaptureError(RuntimeError):
+    """An operation that CUDA graph capture rejects ran while an :class:`EmulatedGraph` captured.
+
+    Attributes:
+        op: what ran, e.g. ``"aten::_local_scalar_dense (.item())"`` or ``"aten::nonzero"``.
+        reason: why CUDA capture rejects it (host sync, data-dependent shape, ...).
+    """
+
+    def __init__(self, op: str, reason: str) -> None:
+        self.op = op
+        self.reason = reason
+        super().__init__(f"{op} is illegal during CUDA graph capture: {reason}")
+
+
+# --------------------------------------------------------------------------------------------
+# What capture rejects
+# --------------------------------------------------------------------------------------------
+
+_SYNC = (
+    "it reads a device value on the host (a device-to-host copy that synchronises the capturing "
+    "stream); keep the value on the device or compute it before capture"
+)
+_BRANCH = (
+    "Python control flow on a tensor value needs the value on the host (a device-to-host copy and "
+    "stream sync); use torch.where / masking, or decide on the host before capture"
+)
+_DYNAMIC = (
+    "its output shape depends on tensor values, so the host must read the data back (a sync) and "
+    "the shape could not be frozen in a graph anyway; use a static-shape formulation"
+)
+_PRINT = "formatting a tensor reads its values on the host (a device-to-host copy and sync)"
+_PINNED = "pinned host memory cannot be allocated while a stream is capturing"
+_STREAM_SYNC = "synchronising a stream or device is not permitted while a stream is capturing"
+_CG_UNSAFE = "the op is tagged torch.Tag.cudagraph_unsafe"
+
+_T = torch.Tensor
+# Host reads that never reach the dispatcher for CPU tensors (TorchFunctionMode level).
+_HOST_READS: dict[Any, tuple[str, str]] = {
+    _T.item: ("aten::_local_scalar_dense (.item())", _SYNC),
+    _T.tolist: ("Tensor.tolist()", _SYNC),
+    _T.numpy: ("Tensor.numpy()", _SYNC),
+    _T.__array__: ("Tensor.__array__ (numpy conversion)", _SYNC),
+    _T.cpu: ("Tensor.cpu() (device-to-host copy)", _SYNC),
+    _T.pin_memory: ("Tensor.pin_memory()", _PINNED),
+    _T.__bool__: ("Tensor.__bool__ (Python branching on a tensor value, e.g. `if t:`)", _BRANCH),
+    _T.__int__: ("Tensor.__int__ (int(t) on a tensor value)", _SYNC),
+    _T.__float__: ("Tensor.__float__ (float(t) on a tensor value)", _SYNC),
+    _T.__complex__: ("Tensor.__complex__ (complex(t) on a tensor value)", _SYNC),
+    _T.__index__: ("Tensor.__index__ (a tensor value used as a Python index)", _SYNC),
+    _T.__contains__: ("Tensor.__contains__ (`v in t`)", _BRANCH),
+    _T.__repr__: ("Tensor.__repr__ (printing a tensor)", _PRINT),
+    _T.__format__: ("Tensor.__format__ (formatting a tensor)", _PRINT),
+    _T.equal: ("aten::equal (Tensor.equal / torch.equal)", _SYNC),
+    torch.equal: ("aten::equal (Tensor.equal / torch.equal)", _SYNC),
+    _T.allclose: ("Tensor.allclose / torch.allclose", _SYNC),
+    torch.allclose: ("Tensor.allclose / torch.allclose", _SYNC),
+    _T.is_nonzero: ("aten::is_nonzero (Tensor.is_nonzero)", _SYNC),
+    torch.is_nonzero: ("aten::is_nonzero (Tensor.is_nonzero)", _SYNC),
+}
+
+# Ops rejected whatever their arguments (dispatch level).
+_ILLEGAL_OPS: dict[Any, tuple[str, str]] = {
+    aten._local_scalar_dense.default: ("aten::_local_scalar_dense (.item())", _SYNC),
+    aten.item.default: ("aten::_local_scalar_dense (.item())", _SYNC),
+    aten.equal.default: ("aten::equal", _SYNC),
+    aten.is_nonzero.default: ("aten::is_nonzero", _SYNC),
+    aten._pin_memory.default: ("aten::_pin_memory", _PINNED),
+}
+if hasattr(aten, "pin_memory"):
+    _ILLEGAL_OPS[aten.pin_memory.default] = ("aten::pin_memory", _PINNED)
+
+_BOOL_INDEX_DTYPES = (torch.bool, torch.uint8)
+_INDEX_PUT_OPS = frozenset(
+    op
+    for op in (
+        aten.index_put_.default,
+        aten.index_put.default,
+        getattr(getattr(aten, "_index_put_impl_", None), "default", None),
+    )
+    if op is not None
+)
+
+# Pure allocations: replay skips them, so the memory keeps its previous contents (as on CUDA).
+_ALLOC_OPS = frozenset(
+    getattr(getattr(aten, pkt), ov)
+    for pkt, ov in (
+        ("empty", "memory_format"),
+        ("empty_like", "default"),
+        ("empty_strided", "default"),
+        ("new_empty", "default"),
+        ("new_empty_strided", "default"),
+        ("empty_permuted", "default"),
+    )
+    if hasattr(aten, pkt) and hasattr(getattr(aten, pkt), ov)
+)
+
+# ``torch.tensor(data)`` reaches dispatch as lift_fresh of a constant made outside it. Replay
+# restores the constant (its value is frozen at capture, like any host value).
+_CONSTANT_OPS = frozenset({aten.lift_fresh.default})
+
+
+def _op_name(func: Any) -> str:
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return str(func)
+    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else str(schema.name)
+
+
+def _has_bool_index(indices: Any) -> bool:
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in _BOOL_INDEX_DTYPES for i in (indices or ())
+    )
+
+
+def _illegal_op(func: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """Why CUDA capture would reject this aten-level call, or None when it is capturable."""
+    hit = _ILLEGAL_OPS.get(func)
+    if hit is not None:
+        return hit
+    if kwargs.get("pin_memory"):
+        return f"{_op_name(func)} (pin_memory=True)", _PINNED
+    if func in _INDEX_PUT_OPS and len(args) > 1 and _has_bool_index(args[1]):
+        # x[mask] = v with a one-element host value becomes masked_fill_ on CUDA (no sync);
+        # anything else expands the mask with nonzero (a sync).
+        value = args[2] if len(args) > 2 else kwargs.get("values")
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        if accumulate or not isinstance(value, torch.Tensor) or value.numel() != 1:
+            return f"{_op_name(func)} (boolean-mask assignment, x[mask] = v)", _DYNAMIC
+        return None
+    tags = getattr(func, "tags", ())
+    if torch.Tag.dynamic_output_shape in tags:
+        if func is aten.index.Tensor:
+            if len(args) > 1 and _has_bool_index(args[1]):
+                return "aten::index.Tensor (boolean-mask indexing, x[mask])", _DYNAMIC
+            return None
+        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
+            return None
+        if func is aten.one_hot.default:
+            num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+            if num_classes != -1:
+                return None
+        return _op_name(func), _DYNAMIC
+    if torch.Tag.cudagraph_unsafe in tags:
+        return _op_name(func), _CG_UNSAFE
+    return None
+
+
+def _host_target(args: tuple, kwargs: dict) -> bool:
+    """``Tensor.to(...)`` naming the host by string ("cpu"): a device-to-host copy on CUDA.
+
+    A ``torch.device`` object is not treated as the host: in the emulator every tensor is on the
+    CPU, so ``t.to(x.device)`` (the usual device-generic idiom) must stay legal.
+    """
+    for cand in (*args[1:], kwargs.get("device")):
+        if isinstance(cand, str):
+            with contextlib.suppress(RuntimeError, ValueError):
+                if torch.device(cand).type == "cpu":
+                    return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# Recording
+# --------------------------------------------------------------------------------------------
+
+# Replay step kinds.
+_RUN = 0  # re-run (mutating / side-effecting op); results alias its arguments
+_COPY1 = 1  # re-run, copy the single fresh tensor result into the recorded output
+_COPYN = 2  # re-run, copy selected entries of a flat tuple/list result
+_COPYTREE = 3  # re-run, copy selected leaves of a nested result
+_RESTORE = 4  # copy a constant captured at capture time back into the recorded tensor
+
+_ACTION_NAMES = {
+    _RUN: "run",
+    _COPY1: "run+copy",
+    _COPYN: "run+copy",
+    _COPYTREE: "run+copy",
+    _RESTORE: "restore",
+}
+_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _freeze_sym(value: Any) -> Any:
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    if isinstance(value, torch.SymFloat):
+        return float(value)
+    if isinstance(value, torch.SymBool):
+        return bool(value)
+    return value
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse / storage-less tensors
+        return None
+
+
+def _callable(func: Any) -> Callable:
+    # OpOverload.__call__ is ``self._op(*args, **kwargs)``; calling _op saves a frame per step.
+    if type(func) is torch._ops.OpOverload:
+        return func._op
+    return func
+
+
+_tls = threading.local()
+_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+
+
+def _run_checked(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``func``; for a non-aten (custom) op, check the aten ops its kernel runs.
+
+    A custom op records and replays as one unit, but its kernel may sync (``.item()`` on a
+    length, ...). Python kernels run with torch-function modes off and with the calling dispatch
+    mode popped, so the kernel is entered by redispatching below the Python key while a checking
+    mode is pushed: every aten op it runs is then checked (not recorded).
+    """
+    if getattr(func, "namespace", "aten") == "aten" or not hasattr(func, "redispatch"):
+        return func(*args, **kwargs)
+    keys = None
+    for a in tree_leaves((args, kwargs)):
+        if isinstance(a, torch.Tensor):
+            k = torch._C._dispatch_keys(a)
+            keys = k if keys is None else keys | k
+    if keys is None:
+        return func(*args, **kwargs)
+    with _Checker(graph):
+        return func.redispatch(keys & _BELOW_PYTHON, *args, **kwargs)
+
+
+class _Checker(TorchDispatchMode):
+    """Rejects illegal ops without recording them (for the inside of custom op kernels)."""
+
+    def __init__(self, graph: EmulatedGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bad = _illegal_op(func, args, kwargs)
+        if bad is not None:
+            self.graph._fail(*bad)
+        return _run_checked(self.graph, func, args, kwargs)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: EmulatedGraph) -> None:
+        super().__init__()
+        self.graph = graph
+        self.steps: list[tuple] = []
+        self.actions: list[tuple[str, str]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bad = _illegal_op(func, args, kwargs)
+        if bad is not None:
+            self.graph._fail(*bad)
+        out = _run_checked(self.graph, func, args, kwargs)
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        name = _op_name(func)
+        if func in _ALLOC_OPS:
+            self.actions.append((name, "skip:alloc"))
+            return
+        if func in _CONSTANT_OPS and isinstance(out, torch.Tensor):
+            self.steps.append((_RESTORE, None, out.clone(), None, out))
+            self.actions.append((name, "restore"))
+            return
+        flat_in, spec = tree_flatten((args, kwargs))
+        if any(isinstance(a, _SYM_TYPES) for a in flat_in):
+            args, kwargs = tree_unflatten([_freeze_sym(a) for a in flat_in], spec)
+        in_ptrs = {_storage_ptr(a) for a in flat_in if isinstance(a, torch.Tensor)} - {None}
+
+        def fresh(t: Any) -> bool:
+            # A result sharing storage with an argument is a view / alias (or the mutated
+            # argument itself): the recorded tensor already sees the storage, nothing to copy.
+            return isinstance(t, torch.Tensor) and _storage_ptr(t) not in in_ptrs
+
+        schema = getattr(func, "_schema", None)
+        mutable = schema is None or schema.is_mutable
+        call = _callable(func)
+        if isinstance(out, torch.Tensor):
+            if fresh(out):
+                step = (_COPY1, call, args, kwargs, out)
+            elif mutable:
+                step = (_RUN, call, args, kwargs, None)
+            else:
+                step = None
+        elif out is None or isinstance(out, (bool, int, float, complex, str)):
+            # No tensor result: keep it only for its side effects (mutation, asserts, custom ops).
+            step = (_RUN, call, args, kwargs, None)
+        else:
+            if isinstance(out, (tuple, list)) and not any(
+                isinstance(o, (tuple, list, dict)) for o in out
+            ):
+                kind, leaves = _COPYN, list(out)
+            else:
+                kind, leaves = _COPYTREE, tree_leaves(out)
+            copies = tuple((i, t) for i, t in enumerate(leaves) if fresh(t))
+            if copies:
+                step = (kind, call, args, kwargs, copies)
+            elif mutable or not any(isinstance(t, torch.Tensor) for t in leaves):
+                step = (_RUN, call, args, kwargs, None)
+            else:
+                step = None
+        if step is None:
+            self.actions.append((name, "skip:view"))
+            return
+        self.steps.append(step)
+        self.actions.append((name, _ACTION_NAMES[step[0]]))
+
+
+class _HostReadGuard(TorchFunctionMode):
+    def __init__(self, graph: EmulatedGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            hit = _HOST_READS.get(func)
+        except TypeError:  # unhashable callable
+            hit = None
+        if hit is not None:
+            self.graph._fail(*hit)
+        if func is _T.to and _host_target(args, kwargs):
+            self.graph._fail('Tensor.to("cpu") (device-to-host copy)', _SYNC)
+        if func is F.one_hot:
+            try:
+                return _one_hot(*args, **kwargs)
+            except CaptureError as err:
+                self.graph._fail(err.op, err.reason)
+        return func(*args, **kwargs)
+
+
+def _one_hot(t: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    """``F.one_hot`` as the CUDA kernel runs it: no host range check when num_classes is given.
+
+    The CPU kernel reads min/max on the host (``.item()``) even with ``num_classes`` given; CUDA
+    does not, so the emulator must not report that sync.
+    """
+    if num_classes < 0:
+        raise CaptureError("aten::one_hot (num_classes=-1)", _DYNAMIC)
+    out = torch.zeros(*t.shape, num_classes, dtype=torch.long, device=t.device)
+    return out.scatter_(-1, t.unsqueeze(-1).long(), 1)
+
+
+def _sync_targets() -> list[tuple[Any, str, str]]:
+    targets = [
+        (torch.cuda, "synchronize", "torch.cuda.synchronize()"),
+        (torch.cpu, "synchronize", "torch.cpu.synchronize()"),
+        (getattr(torch, "accelerator", None), "synchronize", "torch.accelerator.synchronize()"),
+        (getattr(torch.cuda, "Stream", None), "synchronize", "torch.cuda.Stream.synchronize()"),
+        (getattr(torch.cuda, "Event", None), "synchronize", "torch.cuda.Event.synchronize()"),
+    ]
+    return [(obj, attr, label) for obj, attr, label in targets if hasattr(obj, attr)]
+
+
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_patch_saved: list[tuple[Any, str, bool, Any]] = []
+
+
+def _refusing(original: Callable, label: str) -> Callable:
+    @functools.wraps(original)
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        graph = getattr(_tls, "active", None)
+        if graph is None:  # another thread, or no capture: behave as before
+            return original(*args, **kwargs)
+        graph._fail(label, _STREAM_SYNC)
+
+    return refuse
+
+
+@contextlib.contextmanager
+def _patched_syncs() -> Iterator[None]:
+    """Make the synchronize entry points raise CaptureError on a capturing thread.
+
+    They are not torch functions, so no mode sees them. Patched once for all concurrent captures
+    (reference counted) and restored exactly (own attribute put back, inherited one deleted).
+    """
+    global _patch_depth
+    with _patch_lock:
+        if _patch_depth == 0:
+            for obj, attr, label in _sync_targets():
+                own = attr in vars(obj)
+                _patch_saved.append((obj, attr, own, vars(obj).get(attr)))
+                setattr(obj, attr, _refusing(getattr(obj, attr), label))
+        _patch_depth += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                for obj, attr, own, original in reversed(_patch_saved):
+                    if own:
+                        setattr(obj, attr, original)
+                    else:
+                        delattr(obj, attr)
+                _patch_saved.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# The graph
+# --------------------------------------------------------------------------------------------
+
+
+class EmulatedGraph:
+    """CPU stand-in for ``torch.cuda.CUDAGraph`` that reproduces CUDA-graph semantics.
+
+    Usage mirrors a static-buffer CUDA graph runner::
+
+        g = EmulatedGraph()
+        static_out = g.capture(fn, static_x)   # runs fn once, records it
+        static_x.copy_(new_x)                  # refill the recorded input in place
+        g.replay()                             # static_out now holds fn(new_x)
+
+    Semantics reproduced:
+
+    * Frozen addresses: replay uses the tensor objects recorded at capture. Data copied into a
+      recorded input in place is seen; passing a different tensor object is not (stale read).
+    * Frozen host values: Python scalars, shapes and ints (SymInts are specialised) seen at
+      capture are baked into the record.
+    * Outputs are the recorded tensors, overwritten in place by every replay; replay never
+      allocates new outputs. Pure allocations (``empty*``, ``new_empty*``) are not replayed, so
+      such memory keeps whatever it held before, as on CUDA.
+    * Mutating ops (schema ``is_mutable``: in-place, ``out=``, custom ops with ``mutates_args``)
+      re-run on the recorded arguments; out-of-place ops re-run and their fresh results are
+      copied into the recorded outputs; ops whose results alias their inputs (views) are skipped.
+      Random ops draw fresh numbers on every replay (CUDA graphs advance the RNG offset).
+    * Capture raises :class:`CaptureError` for what CUDA capture rejects: ``.item()`` and other
+      host reads (``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``, ``int(t)``,
+      ``if t:``, printing), data-dependent output shapes (``nonzero``, ``unique``,
+      ``masked_select``, ``x[mask]``, ...), ``synchronize`` calls, pinned allocations, ops tagged
+      ``cudagraph_unsafe`` and nested capture. The graph then holds no record, even if ``fn``
+      caught the error (CUDA invalidates the capture in that case too).
+    * Replaying another ``EmulatedGraph`` during a capture records its ops into this one (the
+      way a graph launch inside capture becomes a child graph).
+
+    Caveats (what a CPU emulator cannot see):
+
+    * Every tensor is a CPU tensor, so host tensors that would legitimately stay on the CPU on a
+      GPU (and whose CPU-side ops would not be captured at all) are treated as device tensors:
+      their ops are replayed and their ``.item()`` is rejected.
+    * Only ``.to("cpu")`` with a *string* device counts as device-to-host; ``.to(torch.device(
+      "cpu"))`` and ``copy_`` into a host tensor are not detected. Host-to-device copies and
+      capture on the default stream are not detected either.
+    * ``synchronize`` is caught by patching ``torch.cuda`` / ``torch.cpu`` / ``torch.accelerator``
+      and the CUDA ``Stream``/``Event`` classes during capture; a reference bound before capture
+      (``from torch.cuda import synchronize``) escapes it.
+    * Custom ops record and replay as one unit. The aten ops their kernels run are checked (an
+      ``.item()`` or ``nonzero`` inside is caught), but host reads that never reach the dispatcher
+      on CPU (``.tolist()``, ``.numpy()``) inside a kernel are not: torch-function modes are off
+      inside dispatcher kernels.
+    * Replay runs without autograd (under ``inference_mode`` if capture did, else ``no_grad``) and
+      with autocast disabled (the record already holds the autocast casts).
+    """
+
+    def __init__(self) -> None:
+        self._steps: tuple[tuple, ...] | None = None
+        self._actions: tuple[tuple[str, str], ...] = ()
+        self._inference = False
+        self._error: CaptureError | None = None
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def capture(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(*args, **kwargs)`` once, eagerly, recording every aten op it runs.
+
+        Returns ``fn``'s result; its tensors are the recorded outputs that :meth:`replay`
+        overwrites in place. Tensors passed here, and any other tensors ``fn`` reads (weights,
+        buffers), are recorded by identity: later replays read whatever they hold then.
+
+        Raises:
+            CaptureError: ``fn`` ran an op CUDA capture rejects (see the class docstring), or this
+                is a nested capture. No partial record is kept.
+            RuntimeError: the graph already holds a record (call :meth:`reset` first).
+            Exception: anything ``fn`` raises propagates; no record is kept.
+        """
+        outer = getattr(_tls, "active", None)
+        if outer is not None:  # poisons the outer capture too, as CUDA would
+            outer._fail(
+                "EmulatedGraph.capture (nested capture)",
+                "another capture is already running on this thread; CUDA graphs cannot nest",
+            )
+        if self._steps is not None:
+            raise RuntimeError("EmulatedGraph already holds a capture; call reset() first")
+        self._error = None
+        self._inference = torch.is_inference_mode_enabled()
+        recorder = _Recorder(self)
+        _tls.active = self
+        try:
+            with _patched_syncs(), _HostReadGuard(self), recorder:
+                result = fn(*args, **kwargs)
+        except BaseException as exc:
+            err = self._error
+            self._error = None
+            if err is not None and exc is not err:
+                raise err from exc
+            raise
+        finally:
+            _tls.active = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CaptureError(
+                err.op,
+                f"{err.reason} (the error was caught inside the captured function, but "
+                "CUDA invalidates the capture anyway)",
+            ) from err
+        self._steps = tuple(recorder.steps)
+        self._actions = tuple(recorder.actions)
+        return result
+
+    def replay(self) -> None:
+        """Re-run the record on the recorded tensors, writing into the recorded outputs in place.
+
+        Takes no arguments on purpose: new data must be copied into the recorded input tensors
+        beforehand. Outputs returned by :meth:`capture` (and any references to them) are
+        overwritten.
+
+        Raises:
+            RuntimeError: nothing has been captured (or the graph was reset).
+        """
+        steps = self._steps
+        if steps is None:
+            raise RuntimeError("EmulatedGraph.replay() before a successful capture()")
+        grad_ctx = torch.inference_mode() if self._inference else torch.no_grad()
+        with grad_ctx, torch._C._DisableAutocast():
+            for kind, call, args, kwargs, dst in steps:
+                if kind == _COPY1:
+                    dst.copy_(call(*args, **kwargs))
+                elif kind == _RUN:
+                    call(*args, **kwargs)
+                elif kind == _COPYN:
+                    res = call(*args, **kwargs)
+                    for i, d in dst:
+                        d.copy_(res[i])
+                elif kind == _COPYTREE:
+                    leaves = tree_leaves(call(*args, **kwargs))
+                    for i, d in dst:
+                        d.copy_(leaves[i])
+                else:  # _RESTORE: args holds the constant captured at capture time
+                    dst.copy_(args)
+
+    def reset(self) -> None:
+        """Drop the record and the references it holds to tensors (so they can be freed)."""
+        self._steps = None
+        self._actions = ()
+
+    @property
+    def num_ops(self) -> int:
+        """Number of aten ops recorded at capture (skipped ones included); 0 when empty."""
+        return len(self._actions)
+
+    @property
+    def num_replayed_ops(self) -> int:
+        """Number of recorded ops a replay actually runs (views and allocations are skipped)."""
+        return len(self._steps) if self._steps is not None else 0
+
+    @property
+    def actions(self) -> tuple[tuple[str, str], ...]:
+        """``(op name, action)`` per recorded op, in order; action is one of ``"run+copy"``,
+        ``"run"``, ``"restore"``, ``"skip:view"``, ``"skip:alloc"``."""
+        return self._actions
+
+    @property
+    def captured(self) -> bool:
+        """True when the graph holds a record that :meth:`replay` can run."""
+        return self._steps is not None
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _fail(self, op: str, reason: str) -> None:
+        err = CaptureError(op, reason)
+        if self._error is None:
+            self._error = err
+        raise err
+
+    def __repr__(self) -> str:
+        state = f"{self.num_ops} ops" if self.captured else "empty"
+        return f"EmulatedGraph({state})"

@@ -1,0 +1,375 @@
+"""Tests of the CPU capture emulator (fxsplit.runtime.emulator)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fxsplit.runtime.emulator import CaptureError, EmulatedGraph
+
+
+@torch.library.custom_op("fxsplit_emutest::scale_into", mutates_args=("out",))
+def _scale_into(x: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    out.copy_(x * scale)
+
+
+@torch.library.custom_op("fxsplit_emutest::plus_one", mutates_args=())
+def _plus_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@torch.library.custom_op("fxsplit_emutest::syncs_inside", mutates_args=())
+def _syncs_inside(x: torch.Tensor) -> torch.Tensor:
+    n = int(x.sum().item() > 0)
+    return x + n
+
+
+def _grad_ctx(mode: str):
+    if mode == "no_grad":
+        return torch.no_grad()
+    if mode == "inference":
+        return torch.inference_mode()
+    return contextlib.nullcontext()
+
+
+def test_replay_sees_inplace_update_of_recorded_input():
+    x = torch.randn(4, 8)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: torch.sin(t) * 2 + 1, x)
+    torch.testing.assert_close(out, torch.sin(x) * 2 + 1)
+    new = torch.randn(4, 8)
+    x.copy_(new)
+    g.replay()
+    torch.testing.assert_close(out, torch.sin(new) * 2 + 1)
+
+
+def test_replay_ignores_a_fresh_tensor_stale_read():
+    x = torch.randn(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: t * 2, x)
+    expected = x * 2
+    fresh = torch.randn(4)  # a different tensor object: the graph never sees it
+    g.replay()
+    torch.testing.assert_close(out, expected)
+    assert not torch.allclose(out, fresh * 2)
+
+
+def test_output_identity_kept_and_overwritten_by_next_replay():
+    x = torch.ones(3)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: t + 1, x)
+    ptr = out.data_ptr()
+    first = out  # a caller holding "the first result"
+    snapshot = out.clone()
+    x.fill_(10.0)
+    g.replay()
+    assert first is out and out.data_ptr() == ptr
+    torch.testing.assert_close(first, torch.full((3,), 11.0))
+    assert not torch.equal(first, snapshot)
+
+
+def test_host_scalar_is_frozen_at_capture():
+    cfg = {"n": 3}
+    x = torch.arange(4.0)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: t * cfg["n"] + t.shape[0], x)
+    cfg["n"] = 5
+    x.copy_(torch.ones(4))
+    g.replay()
+    torch.testing.assert_close(out, torch.full((4,), 3.0 + 4.0))
+
+
+def _branch(t):
+    if t.sum() > 0:
+        return t + 1
+    return t - 1
+
+
+ILLEGAL = [
+    ("item", lambda t: t + t.sum().item(), "_local_scalar_dense (.item())"),
+    ("cpu", lambda t: t.cpu() + 1, "cpu()"),
+    ("to_cpu", lambda t: t.to("cpu") + 1, 'to("cpu")'),
+    ("tolist", lambda t: t.tolist(), "tolist"),
+    ("numpy", lambda t: t.numpy(), "numpy"),
+    ("nonzero", lambda t: t.nonzero(), "aten::nonzero"),
+    ("masked_select", lambda t: torch.masked_select(t, t > 0), "aten::masked_select"),
+    ("bool_index", lambda t: t[t > 0], "boolean-mask indexing"),
+    ("bool_index_assign", lambda t: t.clone().index_put_((t > 0,), t), "boolean-mask"),
+    ("unique", lambda t: torch.unique(t), "unique"),
+    ("one_hot", lambda t: F.one_hot((t > 0).long()), "one_hot (num_classes=-1)"),
+    ("branch", _branch, "__bool__"),
+    ("int", lambda t: t * int(t[0]), "__int__"),
+    ("print", lambda t: print(t), "__repr__"),
+    ("synchronize", lambda t: torch.cuda.synchronize(), "torch.cuda.synchronize"),
+    ("pin_memory", lambda t: torch.empty(4, pin_memory=True), "pin_memory"),
+    ("custom_op_body", lambda t: _syncs_inside(t), "_local_scalar_dense"),
+]
+
+
+@pytest.mark.parametrize(("fn", "needle"), [c[1:] for c in ILLEGAL], ids=[c[0] for c in ILLEGAL])
+def test_illegal_op_raises_capture_error_naming_it(fn, needle):
+    x = torch.randn(8)
+    g = EmulatedGraph()
+    with pytest.raises(CaptureError, match="illegal during CUDA graph capture") as info:
+        g.capture(lambda t: (t * 2, fn(t)), x)
+    assert needle in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    assert not g.captured and g.num_ops == 0
+    with pytest.raises(RuntimeError, match="before a successful capture"):
+        g.replay()
+    # The graph is reusable after the failure.
+    out = g.capture(lambda t: t * 2, x)
+    g.replay()
+    torch.testing.assert_close(out, x * 2)
+
+
+def test_synchronize_patch_is_undone():
+    owners = (torch.cuda, torch.cpu, torch.accelerator, torch.cuda.Stream, torch.cuda.Event)
+    before = [vars(o).get("synchronize") for o in owners]
+    with pytest.raises(CaptureError, match=r"torch\.accelerator\.synchronize"):
+        EmulatedGraph().capture(lambda: torch.accelerator.synchronize())
+    assert [vars(o).get("synchronize") for o in owners] == before
+
+
+def test_capture_error_swallowed_by_fn_still_fails():
+    def fn(t):
+        with contextlib.suppress(CaptureError):
+            t.sum().item()
+        return t + 1
+
+    g = EmulatedGraph()
+    with pytest.raises(CaptureError, match="caught inside the captured function"):
+        g.capture(fn, torch.randn(3))
+    assert not g.captured
+
+
+def test_other_errors_propagate_and_leave_no_record():
+    def fn(t):
+        t = t + 1
+        raise ValueError("boom")
+
+    g = EmulatedGraph()
+    with pytest.raises(ValueError, match="boom"):
+        g.capture(fn, torch.randn(3))
+    assert not g.captured and g.num_ops == 0
+
+
+def test_nested_capture_is_an_error():
+    inner, outer = EmulatedGraph(), EmulatedGraph()
+
+    def fn(t):
+        with contextlib.suppress(CaptureError):
+            inner.capture(lambda u: u + 1, t)
+        return t * 2
+
+    with pytest.raises(CaptureError, match="nested"):
+        outer.capture(fn, torch.randn(2))
+    assert not inner.captured and not outer.captured
+
+
+def test_capture_twice_needs_reset_and_reset_frees():
+    x = torch.randn(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: (t + 1) * 2, x)
+    with pytest.raises(RuntimeError, match="reset"):
+        g.capture(lambda t: t, x)
+    ref = weakref.ref(out)
+    del out
+    gc.collect()
+    assert ref() is not None  # the record holds its outputs
+    g.reset()
+    gc.collect()
+    assert ref() is None and g.num_ops == 0 and not g.captured
+    g.capture(lambda t: t - 1, x)
+    assert g.captured
+
+
+def test_legal_idioms_do_not_raise():
+    x = torch.randn(6)
+
+    def fn(t):
+        y = t.to(t.device) * 2  # device-generic move: not a host copy in the emulator
+        y[y < 0] = 0.0  # masked_fill path on CUDA: no sync
+        idx = torch.nonzero_static(t > 0, size=6)
+        return y, idx, F.one_hot(torch.tensor([0, 2]), num_classes=3)
+
+    g = EmulatedGraph()
+    y, _idx, oh = g.capture(fn, x)
+    x.copy_(torch.randn(6))
+    g.replay()
+    torch.testing.assert_close(y, torch.clamp(x * 2, min=0))
+    torch.testing.assert_close(oh, F.one_hot(torch.tensor([0, 2]), num_classes=3))
+
+
+@pytest.mark.parametrize("op", ["topk", "split", "max", "sort", "chunk_cat"])
+def test_multi_output_ops_replay(op):
+    x = torch.randn(4, 6)
+    fns = {
+        "topk": lambda t: torch.topk(t, 3, dim=-1),
+        "split": lambda t: [s * 2 for s in torch.split(t, [2, 4], dim=1)],
+        "max": lambda t: torch.max(t, dim=1),
+        "sort": lambda t: torch.sort(t, dim=0, descending=True),
+        "chunk_cat": lambda t: torch.cat(t.chunk(3, dim=1)[::-1], dim=1),
+    }
+    fn = fns[op]
+    g = EmulatedGraph()
+    outs = g.capture(fn, x)
+    for _ in range(3):
+        x.copy_(torch.randn(4, 6))
+        g.replay()
+        expected = fn(x)
+        got = [outs] if isinstance(outs, torch.Tensor) else list(outs)
+        want = [expected] if isinstance(expected, torch.Tensor) else list(expected)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_kv_cache_index_copy_is_replayed_with_recorded_index():
+    cache = torch.zeros(8, 4)
+    pos = torch.tensor([0, 1])  # per-step metadata, kept in a persistent buffer
+    k = torch.randn(2, 4)
+
+    def step(k, pos):
+        cache.index_copy_(0, pos, k)
+        return cache.sum(dim=0)
+
+    g = EmulatedGraph()
+    total = g.capture(step, k, pos)
+    assert ("aten::index_copy_", "run") in g.actions
+    first = cache[:2].clone()
+    for p in (2, 4):
+        pos.copy_(torch.tensor([p, p + 1]))
+        k.copy_(torch.randn(2, 4))
+        g.replay()
+        torch.testing.assert_close(cache[p : p + 2], k)
+    torch.testing.assert_close(cache[:2], first)  # earlier writes stay
+    torch.testing.assert_close(total, cache.sum(dim=0))
+
+
+def test_custom_op_mutating_out_replays():
+    x = torch.randn(5)
+    out = torch.empty(5)
+    g = EmulatedGraph()
+    g.capture(lambda t, o: _scale_into(t, 3.0, o), x, out)
+    assert g.actions == (("fxsplit_emutest::scale_into", "run"),)
+    x.copy_(torch.randn(5))
+    g.replay()
+    torch.testing.assert_close(out, x * 3.0)
+
+
+def test_functional_custom_op_replays_into_recorded_output():
+    x = torch.randn(5)
+    g = EmulatedGraph()
+    y = g.capture(lambda t: _plus_one(t) * 2, x)
+    assert g.actions[0] == ("fxsplit_emutest::plus_one", "run+copy")
+    x.copy_(torch.randn(5))
+    g.replay()
+    torch.testing.assert_close(y, (x + 1) * 2)
+
+
+def test_views_are_not_copied():
+    x = torch.randn(4, 6)
+
+    def fn(t):
+        v = t.view(6, 4).t()  # views of the input
+        row = v[0]
+        return v, row, row * 2
+
+    g = EmulatedGraph()
+    v, row, doubled = g.capture(fn, x)
+    actions = dict(g.actions)
+    assert actions["aten::view"] == "skip:view"
+    assert actions["aten::t"] == "skip:view"
+    assert actions["aten::select.int"] == "skip:view"
+    assert g.num_replayed_ops == 1 < g.num_ops
+    assert v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    x.copy_(torch.randn(4, 6))
+    g.replay()
+    torch.testing.assert_close(doubled, x.view(6, 4).t()[0] * 2)
+    torch.testing.assert_close(row, x.view(6, 4).t()[0])
+
+
+def test_allocations_are_skipped_and_zeros_rerun():
+    x = torch.randn(4)
+
+    def fn(t):
+        buf = torch.empty(8)
+        buf[:4].copy_(t)
+        acc = torch.zeros(4)
+        acc.add_(t)
+        return buf, acc
+
+    g = EmulatedGraph()
+    buf, acc = g.capture(fn, x)
+    assert ("aten::empty.memory_format", "skip:alloc") in g.actions
+    tail = buf[4:].clone()
+    x.copy_(torch.randn(4))
+    g.replay()
+    g.replay()
+    torch.testing.assert_close(buf[:4], x)
+    torch.testing.assert_close(buf[4:], tail, equal_nan=True)  # memory keeps its contents
+    torch.testing.assert_close(acc, x)  # zeros re-ran: no accumulation across replays
+
+
+def test_constant_tensor_is_restored_each_replay():
+    x = torch.zeros(2)
+
+    def fn(t):
+        c = torch.tensor([1.0, 2.0])
+        c.mul_(2)
+        return t + c
+
+    g = EmulatedGraph()
+    out = g.capture(fn, x)
+    for _ in range(3):
+        g.replay()
+        torch.testing.assert_close(out, torch.tensor([2.0, 4.0]))
+
+
+def test_random_ops_draw_fresh_numbers():
+    x = torch.ones(64)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: torch.rand_like(t) + F.dropout(t, 0.5, training=True), x)
+    first = out.clone()
+    g.replay()
+    assert not torch.equal(out, first)
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "inference"])
+def test_matmul_softmax_layernorm_chain_matches_eager(mode):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16)
+    norm = torch.nn.LayerNorm(16)
+
+    def block(t):
+        h = lin(t)
+        a = torch.softmax(h @ h.transpose(-1, -2) / 4.0, dim=-1)
+        return norm(a @ h + t)
+
+    static_x = torch.randn(2, 5, 16)
+    g = EmulatedGraph()
+    with _grad_ctx(mode):
+        out = g.capture(block, static_x)
+    for _ in range(4):
+        new = torch.randn(2, 5, 16)
+        with torch.no_grad():
+            static_x.copy_(new)
+            g.replay()
+            expected = block(new)
+        torch.testing.assert_close(out, expected)
+
+
+def test_replay_inside_capture_is_recorded():
+    x = torch.randn(3)
+    inner = EmulatedGraph()
+    y = inner.capture(lambda t: t + 1, x)
+    outer = EmulatedGraph()
+    z = outer.capture(lambda: (inner.replay(), y * 2)[1])
+    x.fill_(1.0)
+    outer.replay()
+    torch.testing.assert_close(z, torch.full((3,), 4.0))
