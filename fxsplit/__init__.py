@@ -5,7 +5,7 @@ preparation, the sparse top-k indexer, attention, capture-unsafe ops), splits th
 runs the remaining pieces captured.
 """
 
-from fxsplit import runners
+from fxsplit import counters, runners
 from fxsplit.backend import Backend, plans
 from fxsplit.config import Config
 from fxsplit.explain import explain
@@ -20,6 +20,7 @@ __all__ = [
     "Config",
     "Piece",
     "SplitPlan",
+    "counters",
     "explain",
     "plans",
     "region",

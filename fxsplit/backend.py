@@ -11,10 +11,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
+from fxsplit import counters
 from fxsplit.config import Config
 from fxsplit.passes import Split, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
+from fxsplit.runtime.graph_runtime import CaptureSession, GraphRuntime
 
 log = logging.getLogger("fxsplit")
 
@@ -41,6 +43,9 @@ class Backend:
         self.config = Config.from_options(options)
         self.plans: list[SplitPlan] = []
         self.compiled: list[Split] = []
+        self.runtimes: list[GraphRuntime] = []
+        self._pools: dict[torch.device, object] = {}
+        self._session = CaptureSession()
         self._count = 0
         self._lock = threading.Lock()
         self._matched: set[str] = set()
@@ -106,7 +111,18 @@ class Backend:
             plan.split_seconds * 1e3,
         )
         self.compiled.append(result)
-        return result.materialised.stitched.forward
+        counters.totals["graphs"] += 1
+        counters.totals["pieces"] += len(plan.pieces)
+        counters.totals["captured_pieces"] += len(plan.captured)
+        counters.totals["eager_pieces"] += len(plan.eager)
+        mode, device = _capture_mode(config.capture, example_inputs)
+        if mode == "off":
+            return result.materialised.stitched.forward
+        runtime = GraphRuntime(
+            result, config, mode, example_inputs, self._pool(mode, device), device, self._session
+        )
+        self.runtimes.append(runtime)
+        return runtime
 
     def _warn_unmatched(self, policy: Policy) -> None:
         matched = policy.splitting_ops.used | policy.module_regions.used
@@ -121,13 +137,85 @@ class Backend:
                     stacklevel=2,
                 )
 
+    def _pool(self, mode: str, device: torch.device):
+        if mode != "cuda":
+            return None
+        pool = self._pools.get(device)
+        if pool is None:
+            pool = self._pools[device] = torch.cuda.graph_pool_handle()
+        return pool
+
+    @property
+    def stats(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
+        """Run-time figures: ``{graph_id: {piece: {capture key: {counter: value}}}}``.
+
+        Counters: captures, replays, uncaptured_runs, input_copies, input_copy_bytes (bytes).
+        """
+        return {rt.graph_id: rt.stats() for rt in self.runtimes}
+
+    def capture(self, model, inputs_by_size) -> None:
+        """Capture every size up front: calls ``model(*inputs)`` for each size, largest first,
+        ``warmup_runs + 1`` times, under one capture session (garbage collected once, collector
+        frozen throughout) with a tqdm progress bar.
+
+        Args:
+            model: the ``torch.compile``'d model using this backend.
+            inputs_by_size: ``{size: args tuple}``, one entry per capture size.
+        """
+        from tqdm import tqdm
+
+        sizes = sorted(inputs_by_size, reverse=True)
+        runs = max(self.config.warmup_runs, 0) + 1
+        with self._session(), torch.no_grad():
+            for size in tqdm(sizes, desc="fxsplit capture", unit="size"):
+                for _ in range(runs):
+                    model(*inputs_by_size[size])
+
     def reset(self) -> None:
-        """Forget every plan and compiled graph and free their memory; safe to call repeatedly."""
+        """Forget every plan, compiled graph and memory pool; safe to call repeatedly."""
+        for runtime in self.runtimes:
+            runtime.reset()
+        self.runtimes.clear()
+        self._pools.clear()
         self.plans.clear()
         self.compiled.clear()
         self._count = 0
         self._matched.clear()
         self._warned.clear()
+
+
+def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | None]:
+    """Resolve the ``capture`` option against the graph's tensors: (mode, device).
+
+    Raises:
+        RuntimeError: ``capture="cuda"`` where no CUDA/HIP device is available or the graph's
+            tensors are not on one.
+    """
+    device = next(
+        (
+            x.device
+            for x in example_inputs
+            if isinstance(x, torch.Tensor) and x.device.type == "cuda"
+        ),
+        None,
+    )
+    if capture == "auto":
+        return ("cuda", device) if device is not None else ("off", None)
+    if capture == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "fxsplit option capture='cuda' needs a CUDA or ROCm device, and torch sees none; "
+                "use capture='emulate' (the CPU capture emulator) or capture='off'"
+            )
+        if device is None:
+            raise RuntimeError(
+                "fxsplit option capture='cuda': the graph's tensors are not on a CUDA device; "
+                "move the model and inputs to 'cuda', or use capture='emulate' / 'off'"
+            )
+        return "cuda", device
+    if capture == "emulate":
+        return "emulate", torch.device("cpu") if device is None else device
+    return "off", None
 
 
 # The per-process object behind backend="fxsplit" (registered by the torch_dynamo_backends entry

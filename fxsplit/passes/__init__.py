@@ -21,6 +21,7 @@ class Split:
     """Everything :func:`split` produced for one graph."""
 
     plan: SplitPlan
+    graph_module: GraphModule
     marks: mark.Marks
     parts: list[partition.Part]
     materialised: materialise.Materialised
@@ -73,4 +74,4 @@ def split(
         num_nodes=len(gm.graph.nodes),
         split_seconds=time.perf_counter() - start,
     )
-    return Split(plan, marks, parts, done)
+    return Split(plan, gm, marks, parts, done)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
+from fxsplit.passes import global_state
 from fxsplit.passes.modules import ModuleMatcher
 from fxsplit.passes.normalise import is_multi_output_getitem, is_size
 from fxsplit.passes.ops import OpMatcher, op_name, op_names, unsafe_op
@@ -138,7 +139,7 @@ def is_host_input(node: Node) -> bool:
 
 
 def _is_trivial(node: Node, value: object) -> bool:
-    if isinstance(value, _HOST_VALUES):
+    if isinstance(value, _HOST_VALUES) or node.target in global_state.STATE_TARGETS:
         return True
     if node.op == "call_function" and node.target is operator.getitem:
         return not isinstance(value, torch.Tensor)

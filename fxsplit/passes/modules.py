@@ -15,14 +15,14 @@ from torch.fx import Node
 
 _LOCAL_PREFIX = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
 _INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
-_MODULES = re.compile(r"\._modules\.")
+_MODULES = re.compile(r"(^|\.)_modules\.")
 
 
 def module_path(dynamo_path: str) -> str:
     """``"L['self'].model.layers[0]._modules['attn']"`` -> ``"model.layers.0.attn"``."""
     path = _LOCAL_PREFIX.sub("", dynamo_path)
     path = _INDEX.sub(r".\1", path)
-    return _MODULES.sub(".", path).strip(".")
+    return _MODULES.sub(r"\1", path).strip(".")
 
 
 def _glob(pattern: tuple[str, ...], path: tuple[str, ...]) -> bool:

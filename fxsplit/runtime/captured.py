@@ -1,0 +1,211 @@
+"""A captured piece at run time: one graph per capture key, bound inputs, replay.
+
+Hot path per call (:meth:`CapturedPiece.__call__`): build the key, look up its entry, compare
+the data pointers of the runner and internal inputs against the table made at capture, copy or
+refuse as the binding says, replay, copy mutated inputs back. Parameters are not looked at here:
+the graph runtime checks them once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fxsplit.runtime import binding
+from fxsplit.runtime.binding import HOST, INTERNAL, PARAM, RUNNER, BindingError, InputSpec
+from fxsplit.runtime.emulator import CaptureError
+from fxsplit.runtime.graphs import new_graph
+from fxsplit.runtime.stats import PieceStats
+
+log = logging.getLogger("fxsplit")
+
+_STRICT, _COPY = 1, 2
+
+
+class VerifyError(RuntimeError):
+    """``verify=True`` found a replay whose result differs from running the piece uncaptured."""
+
+
+class _Entry:
+    """One capture key of a piece: its graph, static inputs and the address table."""
+
+    __slots__ = ("checks", "graph", "key", "mutated", "outputs", "ptrs", "statics")
+
+    def __init__(self, key, graph, statics, outputs, checks, mutated):
+        self.key = key
+        self.graph = graph
+        self.statics = statics
+        self.outputs = outputs
+        self.checks = checks  # (index, static, data_ptr, mode) per checked input
+        self.mutated = mutated  # (index, static, data_ptr) per mutated tensor input
+        self.ptrs = tuple(s.data_ptr() if isinstance(s, torch.Tensor) else None for s in statics)
+
+
+class CapturedPiece(torch.nn.Module):
+    """Stands in for a captured :class:`~fxsplit.passes.materialise.PieceModule` in the stitched
+    module when capture is on.
+
+    Args:
+        piece: the piece module (its ``forward`` is the uncaptured code).
+        specs: one :class:`~fxsplit.runtime.binding.InputSpec` per input.
+        regions: region names of the piece (for error messages).
+        runtime: the :class:`~fxsplit.runtime.graph_runtime.GraphRuntime` that owns it.
+    """
+
+    def __init__(self, piece, specs: list[InputSpec], regions, runtime):
+        super().__init__()
+        self.name = piece.name
+        self.kind = piece.kind
+        self.code = piece.code
+        self.run_uncaptured = piece.forward
+        self.specs = specs
+        self.regions = frozenset(regions)
+        self.runtime = runtime
+        self.entries: dict[tuple, _Entry] = {}
+        self.warmups: dict[tuple, int] = {}
+        self.failed: str | None = None
+        self.stats = PieceStats()
+        self._key_parts = tuple(
+            (i, s.kind == HOST) for i, s in enumerate(specs) if s.kind == HOST or s.symbolic
+        )
+        self._logged_keys: set[tuple] = set()
+
+    def key(self, inputs: tuple) -> tuple:
+        """Capture key: every host value the piece reads and the shape of every dynamic tensor."""
+        return tuple(inputs[i] if host else inputs[i].shape for i, host in self._key_parts)
+
+    def __call__(self, *inputs):
+        runtime = self.runtime
+        if not runtime.capture_step or self.failed is not None:
+            return self._uncaptured(inputs, None)
+        key = self.key(inputs)
+        entry = self.entries.get(key)
+        if entry is None:
+            return self._miss(key, inputs)
+        stats = self.stats
+        for i, static, ptr, mode in entry.checks:
+            value = inputs[i]
+            if value.data_ptr() != ptr:
+                if mode == _STRICT:
+                    raise self._moved(i, value, ptr)
+                static.copy_(value)
+                stats.add(key, "input_copies")
+                stats.add(key, "input_copy_bytes", value.nbytes)
+                stats.copies_by_input[self.specs[i].name] += 1
+        if runtime.verify:
+            return self._verified_replay(entry, inputs)
+        entry.graph.replay()
+        for i, static, ptr in entry.mutated:
+            if inputs[i].data_ptr() != ptr:
+                inputs[i].copy_(static)
+        stats.add(key, "replays")
+        return entry.outputs
+
+    def _uncaptured(self, inputs, key):
+        self.stats.add(key, "uncaptured_runs")
+        return self.run_uncaptured(*inputs)
+
+    def _miss(self, key, inputs):
+        runtime = self.runtime
+        done = self.warmups.get(key, 0)
+        if done < runtime.warmup_runs:
+            self.warmups[key] = done + 1
+            return self._uncaptured(inputs, key)
+        if len(self.entries) >= runtime.max_captured_keys:
+            runtime.warn_key_limit(self)
+            return self._uncaptured(inputs, key)
+        try:
+            entry = self._capture(key, inputs)
+        except (CaptureError, RuntimeError) as error:
+            if isinstance(error, BindingError) or runtime.on_capture_error == "raise":
+                raise
+            self.failed = f"{type(error).__name__}: {error}"
+            log.warning("fxsplit: %s runs uncaptured from now on: %s", self.name, self.failed)
+            return self._uncaptured(inputs, key)
+        self.entries[key] = entry
+        self.stats.add(key, "captures")
+        return entry.outputs
+
+    def _capture(self, key, inputs) -> _Entry:
+        runtime = self.runtime
+        persistent = runtime.persistent_inputs
+        statics = []
+        for spec, value in zip(self.specs, inputs, strict=True):
+            if (
+                not isinstance(value, torch.Tensor)
+                or spec.kind in (PARAM, HOST)
+                or (spec.kind == RUNNER and persistent)
+                or (spec.kind == INTERNAL and id(value) in runtime.static_outputs)
+            ):
+                statics.append(value)
+            else:
+                statics.append(value.clone())
+        graph = new_graph(runtime.mode, runtime.pool, runtime.device)
+        with runtime.capture_session():
+            outputs = graph.capture(self.run_uncaptured, *statics)
+        for out in outputs if isinstance(outputs, tuple) else (outputs,):
+            if isinstance(out, torch.Tensor):
+                runtime.static_outputs[id(out)] = out
+        checks, mutated = [], []
+        for i, (spec, static) in enumerate(zip(self.specs, statics, strict=True)):
+            if not isinstance(static, torch.Tensor) or spec.kind in (PARAM, HOST):
+                continue
+            ptr = static.data_ptr()
+            if spec.mutated:
+                mutated.append((i, static, ptr))
+            if spec.kind == RUNNER:
+                if runtime.binding == "trust":
+                    continue
+                mode = _STRICT if runtime.binding == "strict" else _COPY
+            else:
+                mode = _COPY
+            checks.append((i, static, ptr, mode))
+        return _Entry(key, graph, statics, outputs, tuple(checks), tuple(mutated))
+
+    def _moved(self, i: int, value, ptr: int) -> BindingError:
+        spec = self.specs[i]
+        return BindingError(
+            f"{self.name} (regions: {', '.join(sorted(self.regions)) or '-'}): input "
+            f"{spec.name!r} from {spec.source} is at 0x{value.data_ptr():x}, but the captured "
+            f"graph reads 0x{ptr:x}; with input_binding='strict' a runner must hand the same "
+            "tensor every step (use persistent buffers, or input_binding='copy')"
+        )
+
+    def _verified_replay(self, entry: _Entry, inputs):
+        snapshots = list(inputs)
+        written = [i for i, spec in enumerate(self.specs) if spec.mutated]
+        for i in written:
+            snapshots[i] = inputs[i].clone()
+        moved = [
+            self.specs[i].name
+            for i, ptr in enumerate(entry.ptrs)
+            if ptr is not None
+            and isinstance(inputs[i], torch.Tensor)
+            and inputs[i].data_ptr() != ptr
+        ]
+        entry.graph.replay()
+        for i, static, ptr in entry.mutated:
+            if inputs[i].data_ptr() != ptr:
+                inputs[i].copy_(static)
+        self.stats.add(entry.key, "replays")
+        expected = self.run_uncaptured(*snapshots)
+        got = entry.outputs
+        pairs = list(zip(_flat(got), _flat(expected), strict=True))
+        pairs += [(inputs[i], snapshots[i]) for i in written]
+        for a, b in pairs:
+            if isinstance(a, torch.Tensor) and not torch.equal(a, b):
+                raise VerifyError(
+                    f"verify: replay of {self.name} (regions: "
+                    f"{', '.join(sorted(self.regions)) or '-'}) differs from running it "
+                    f"uncaptured; inputs whose address changed since capture: "
+                    f"{', '.join(moved) or 'none'}"
+                )
+        return got
+
+
+def _flat(value):
+    return value if isinstance(value, tuple) else (value,)
+
+
+__all__ = ["BindingError", "CapturedPiece", "VerifyError", "binding"]
