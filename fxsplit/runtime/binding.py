@@ -111,6 +111,34 @@ def _base(node: Node, inputs: set[Node]) -> Node | None:
     return node if node in inputs else None
 
 
+def key_reads(specs: list[InputSpec], inputs: list[Node]) -> tuple[tuple[int, int | None], ...]:
+    """What a capture key reads: ``(i, None)`` for a host value, ``(i, d)`` for dim ``d`` of
+    tensor input ``i``, one per distinct symbolic size expression.
+
+    Every dynamic dim of every tensor input is one of these expressions, so equal keys mean equal
+    input shapes; reading each expression once keeps the key short (usually one int: the token
+    count).
+    """
+    reads: list[tuple[int, int | None]] = []
+    seen: set[object] = set()
+    for i, (spec, node) in enumerate(zip(specs, inputs, strict=True)):
+        if spec.kind == HOST:
+            reads.append((i, None))
+            continue
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor):
+            if spec.symbolic:
+                reads.append((i, -1))  # no traced shape: key on the whole shape
+            continue
+        for d, size in enumerate(value.shape):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if expr not in seen:
+                    seen.add(expr)
+                    reads.append((i, d))
+    return tuple(reads)
+
+
 def classify(nodes: list[Node], inputs: list[Node], producer: dict[Node, str]) -> list[InputSpec]:
     """Describe each input of a captured piece.
 

@@ -12,11 +12,14 @@ import logging
 
 import torch
 
+from fxsplit import counters
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import HOST, INTERNAL, PARAM, RUNNER, BindingError, InputSpec
 from fxsplit.runtime.emulator import CaptureError
 from fxsplit.runtime.graphs import new_graph
 from fxsplit.runtime.stats import PieceStats
+
+_TOTALS = counters.totals
 
 log = logging.getLogger("fxsplit")
 
@@ -28,11 +31,11 @@ class VerifyError(RuntimeError):
 
 
 class _Entry:
-    """One capture key of a piece: its graph, static inputs and the address table."""
+    """One capture key of a piece: its graph, static inputs, the address table and counters."""
 
-    __slots__ = ("checks", "graph", "key", "mutated", "outputs", "ptrs", "statics")
+    __slots__ = ("checks", "graph", "key", "mutated", "outputs", "ptrs", "statics", "counts")
 
-    def __init__(self, key, graph, statics, outputs, checks, mutated):
+    def __init__(self, key, graph, statics, outputs, checks, mutated, counts):
         self.key = key
         self.graph = graph
         self.statics = statics
@@ -40,6 +43,7 @@ class _Entry:
         self.checks = checks  # (index, static, data_ptr, mode) per checked input
         self.mutated = mutated  # (index, static, data_ptr) per mutated tensor input
         self.ptrs = tuple(s.data_ptr() if isinstance(s, torch.Tensor) else None for s in statics)
+        self.counts = counts
 
 
 class CapturedPiece(torch.nn.Module):
@@ -53,7 +57,7 @@ class CapturedPiece(torch.nn.Module):
         runtime: the :class:`~fxsplit.runtime.graph_runtime.GraphRuntime` that owns it.
     """
 
-    def __init__(self, piece, specs: list[InputSpec], regions, runtime):
+    def __init__(self, piece, specs: list[InputSpec], key_reads, regions, runtime):
         super().__init__()
         self.name = piece.name
         self.kind = piece.kind
@@ -66,14 +70,7 @@ class CapturedPiece(torch.nn.Module):
         self.warmups: dict[tuple, int] = {}
         self.failed: str | None = None
         self.stats = PieceStats()
-        self._key_parts = tuple(
-            (i, s.kind == HOST) for i, s in enumerate(specs) if s.kind == HOST or s.symbolic
-        )
-        self._logged_keys: set[tuple] = set()
-
-    def key(self, inputs: tuple) -> tuple:
-        """Capture key: every host value the piece reads and the shape of every dynamic tensor."""
-        return tuple(inputs[i] if host else inputs[i].shape for i, host in self._key_parts)
+        self.key = _key_function(key_reads)
 
     def __call__(self, *inputs):
         runtime = self.runtime
@@ -83,27 +80,27 @@ class CapturedPiece(torch.nn.Module):
         entry = self.entries.get(key)
         if entry is None:
             return self._miss(key, inputs)
-        stats = self.stats
         for i, static, ptr, mode in entry.checks:
             value = inputs[i]
             if value.data_ptr() != ptr:
                 if mode == _STRICT:
                     raise self._moved(i, value, ptr)
                 static.copy_(value)
-                stats.add(key, "input_copies")
-                stats.add(key, "input_copy_bytes", value.nbytes)
-                stats.copies_by_input[self.specs[i].name] += 1
+                self.stats.add(entry.counts, "input_copies")
+                self.stats.add(entry.counts, "input_copy_bytes", value.nbytes)
+                self.stats.copies_by_input[self.specs[i].name] += 1
         if runtime.verify:
             return self._verified_replay(entry, inputs)
         entry.graph.replay()
         for i, static, ptr in entry.mutated:
             if inputs[i].data_ptr() != ptr:
                 inputs[i].copy_(static)
-        stats.add(key, "replays")
+        entry.counts["replays"] += 1
+        _TOTALS["replays"] += 1
         return entry.outputs
 
     def _uncaptured(self, inputs, key):
-        self.stats.add(key, "uncaptured_runs")
+        self.stats.add(self.stats.key(key), "uncaptured_runs")
         return self.run_uncaptured(*inputs)
 
     def _miss(self, key, inputs):
@@ -124,7 +121,7 @@ class CapturedPiece(torch.nn.Module):
             log.warning("fxsplit: %s runs uncaptured from now on: %s", self.name, self.failed)
             return self._uncaptured(inputs, key)
         self.entries[key] = entry
-        self.stats.add(key, "captures")
+        self.stats.add(entry.counts, "captures")
         return entry.outputs
 
     def _capture(self, key, inputs) -> _Entry:
@@ -161,7 +158,8 @@ class CapturedPiece(torch.nn.Module):
             else:
                 mode = _COPY
             checks.append((i, static, ptr, mode))
-        return _Entry(key, graph, statics, outputs, tuple(checks), tuple(mutated))
+        counts = self.stats.key(key)
+        return _Entry(key, graph, statics, outputs, tuple(checks), tuple(mutated), counts)
 
     def _moved(self, i: int, value, ptr: int) -> BindingError:
         spec = self.specs[i]
@@ -188,7 +186,7 @@ class CapturedPiece(torch.nn.Module):
         for i, static, ptr in entry.mutated:
             if inputs[i].data_ptr() != ptr:
                 inputs[i].copy_(static)
-        self.stats.add(entry.key, "replays")
+        self.stats.add(entry.counts, "replays")
         expected = self.run_uncaptured(*snapshots)
         got = entry.outputs
         pairs = list(zip(_flat(got), _flat(expected), strict=True))
@@ -202,6 +200,17 @@ class CapturedPiece(torch.nn.Module):
                     f"{', '.join(moved) or 'none'}"
                 )
         return got
+
+
+def _key_function(reads):
+    """``inputs -> capture key``: every host value the piece reads and each distinct dynamic size
+    of its tensor inputs (see :func:`fxsplit.runtime.binding.key_reads`). Generated as one tuple
+    expression because this runs on every call."""
+    parts = [
+        f"a[{i}]" if d is None else f"a[{i}].shape" if d < 0 else f"a[{i}].shape[{d}]"
+        for i, d in reads
+    ]
+    return eval(f"lambda a: ({''.join(p + ', ' for p in parts)})")
 
 
 def _flat(value):

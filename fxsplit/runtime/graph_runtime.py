@@ -15,6 +15,7 @@ import warnings
 
 import torch
 
+from fxsplit import counters
 from fxsplit.config import Config
 from fxsplit.passes import Split
 from fxsplit.runtime import binding
@@ -112,7 +113,8 @@ class GraphRuntime:
             if part.kind == "captured":
                 inputs = [nodes[name] for name in module.input_names]
                 specs = binding.classify(part.nodes, inputs, producer)
-                captured = CapturedPiece(module, specs, plan_piece.regions, self)
+                reads = binding.key_reads(specs, inputs)
+                captured = CapturedPiece(module, specs, reads, plan_piece.regions, self)
                 setattr(stitched, module.name, captured)
                 pieces.append(captured)
             for name in module.output_names:
@@ -174,7 +176,7 @@ class GraphRuntime:
                 dropped,
             )
             if dropped:
-                self.pieces[0].stats.add("all", "recaptures")
+                counters.totals["recaptures"] += 1
 
     def warn_key_limit(self, piece: CapturedPiece) -> None:
         """Warn once that ``piece`` reached ``max_captured_keys``."""

@@ -8,28 +8,32 @@ from fxsplit import counters
 
 
 class PieceStats:
-    """Counters of one piece: ``per_key[key_str]`` holds captures, replays, uncaptured_runs,
-    input_copies, input_copy_bytes; ``copies_by_input[name]`` counts copies per input."""
+    """Counters of one piece: ``per_key[key]`` holds captures, replays, uncaptured_runs,
+    input_copies, input_copy_bytes (bytes); ``copies_by_input[name]`` counts copies per input.
+    Keys are capture keys (tuples); None collects runs outside capture (a step that may not
+    capture)."""
 
     __slots__ = ("copies_by_input", "per_key")
 
     def __init__(self):
-        self.per_key: dict[str, Counter] = {}
+        self.per_key: dict[object, Counter] = {}
         self.copies_by_input: Counter = Counter()
 
     def key(self, key: object) -> Counter:
         """The counters of ``key`` (created on first use)."""
-        text = str(key)
-        found = self.per_key.get(text)
+        found = self.per_key.get(key)
         if found is None:
-            found = self.per_key[text] = Counter()
+            found = self.per_key[key] = Counter()
         return found
 
-    def add(self, key: object, name: str, amount: int = 1) -> None:
-        """Add ``amount`` to counter ``name`` of ``key`` and to the process-wide total."""
-        self.key(key)[name] += amount
+    @staticmethod
+    def add(counts: Counter, name: str, amount: int = 1) -> None:
+        """Add ``amount`` to counter ``name`` in ``counts`` and to the process-wide total."""
+        counts[name] += amount
         counters.totals[name] += amount
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        """``{key: {counter: value}}`` as plain dicts."""
-        return {k: dict(v) for k, v in self.per_key.items()}
+        """``{str(key): {counter: value}}`` as plain dicts (``"uncaptured"`` for key None)."""
+        return {
+            ("uncaptured" if k is None else str(k)): dict(v) for k, v in self.per_key.items()
+        }

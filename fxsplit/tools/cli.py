@@ -3,19 +3,195 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import json
+import os
 import sys
+from collections.abc import Mapping
+
+
+class UsageError(Exception):
+    """A bad command line (MODULE:FACTORY, --options); reported in one line, exit status 2."""
+
+
+def _load_factory(spec: str):
+    """Import ``MODULE:FACTORY`` (the current directory is importable, as with ``python -m``)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(
+            f"expected MODULE:FACTORY (e.g. fxsplit.models.deepseek_v4:example), got {spec!r}"
+        )
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"cannot import module {module_name!r}: {error}") from None
+    factory = module
+    for atom in attr.split("."):
+        try:
+            factory = getattr(factory, atom)
+        except AttributeError:
+            raise UsageError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(factory):
+        raise UsageError(f"{spec} is not callable (got {type(factory).__name__})")
+    return factory
+
+
+def _call_factory(spec: str, factory):
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
+        raise UsageError(f"{spec}() must return (model, example_inputs), got {type(made).__name__}")
+    model, inputs = made
+    if isinstance(inputs, Mapping):
+        return model, (), dict(inputs)
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)
+    return model, tuple(inputs), {}
+
+
+def _options(text: str | None, runner: str | None) -> dict:
+    try:
+        options = json.loads(text) if text else {}
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--options is not valid JSON: {error}") from None
+    if not isinstance(options, dict):
+        raise UsageError(f"--options must be a JSON object, got {text!r}")
+    # The CLI writes its own dumps; the backend must not write them again.
+    options.pop("dump_dir", None)
+    options["capture"] = "off"
+    if runner is not None:
+        options["runner"] = runner
+    return options
+
+
+@contextlib.contextmanager
+def _no_env_dump_dir():
+    saved = os.environ.pop("FXSPLIT_DUMP_DIR", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["FXSPLIT_DUMP_DIR"] = saved
+
+
+def _compile(spec: str, factory, options: dict):
+    """Compile a fresh model from ``factory`` with fxsplit (capture off) and run it once.
+
+    Returns:
+        ``(backend, records)``: records are ``(split, dynamo graph code, example inputs)`` per
+        compiled graph, in compile order.
+    """
+    import torch
+
+    import fxsplit
+
+    try:
+        backend = fxsplit.Backend(**options)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"bad fxsplit options: {error}") from None
+    codes: list[tuple[str, list]] = []
+
+    def recording(gm, example_inputs, **kwargs):
+        try:
+            code = gm.print_readable(print_output=False)
+        except Exception:  # print_readable varies across torch releases; the code always works
+            code = gm.code
+        codes.append((code, list(example_inputs)))
+        return backend(gm, example_inputs, **kwargs)
+
+    model, args, kwargs = _call_factory(spec, factory)
+    torch._dynamo.reset()
+    with _no_env_dump_dir(), torch.no_grad():
+        torch.compile(model, backend=recording, dynamic=True)(*args, **kwargs)
+    records = [
+        (split, code, inputs)
+        for split, (code, inputs) in zip(backend.compiled, codes, strict=False)
+    ]
+    return backend, records
+
+
+def _dump(args) -> int:
+    from rich.console import Console
+
+    from fxsplit.tools.dump import plan_table, write_dump
+
+    factory = _load_factory(args.factory)
+    _, records = _compile(args.factory, factory, _options(args.options, args.runner))
+    console = Console()
+    for split, code, inputs in records:
+        console.print(plan_table(split.plan))
+        folder = write_dump(args.out, split, code, example_inputs=inputs)
+        console.print(f"wrote {folder}", highlight=False, soft_wrap=True)
+    if not records:
+        console.print("no graph was compiled (nothing to dump)")
+    return 0
+
+
+def _diff(args) -> int:
+    from rich.console import Console
+
+    from fxsplit.tools.diff import diff_splits, print_diff
+
+    runners = args.runner or []
+    if len(runners) != 2:
+        raise UsageError(f"diff takes --runner exactly twice (A and B), got {len(runners)}")
+    factory = _load_factory(args.factory)
+    compiled = [
+        _compile(args.factory, factory, _options(args.options, runner))[1] for runner in runners
+    ]
+    console = Console()
+    for (a, _, _), (b, _, _) in zip(*compiled, strict=False):
+        print_diff(console, diff_splits(a, b), nodes=not args.summary)
+    if len(compiled[0]) != len(compiled[1]):
+        console.print(
+            f"A compiled {len(compiled[0])} graphs, B {len(compiled[1])}: only the first "
+            f"{min(map(len, compiled))} are compared",
+            highlight=False,
+        )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``fxsplit``; returns the exit status."""
+    """Entry point of ``fxsplit``; returns the exit status (2: bad command line)."""
     parser = argparse.ArgumentParser(prog="fxsplit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="compile the reference models and compare against eager")
+    factory_help = "MODULE:FACTORY; FACTORY() returns (model, example_inputs)"
+    options_help = 'fxsplit options as a JSON object, e.g. \'{"splitting_ops": ["aten::topk"]}\''
+    dump = commands.add_parser(
+        "dump",
+        help="plan a model without capturing, print the plan, write one dump folder per graph",
+    )
+    dump.add_argument("factory", metavar="MODULE:FACTORY", help=factory_help)
+    dump.add_argument("--runner", default=None, help="runner name (default: options' or v1)")
+    dump.add_argument("--options", default=None, help=options_help)
+    dump.add_argument("--out", default="fxsplit_dump", help="dump root (default: fxsplit_dump)")
+    diff = commands.add_parser(
+        "diff", help="plan a model under two runners and show what moved between eager/captured"
+    )
+    diff.add_argument("factory", metavar="MODULE:FACTORY", help=factory_help)
+    diff.add_argument(
+        "--runner", action="append", help="runner of plan A, then of plan B (give it twice)"
+    )
+    diff.add_argument("--options", default=None, help=options_help + " (both plans)")
+    diff.add_argument(
+        "--summary", action="store_true", help="only pieces and moves by region, no node table"
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from fxsplit.tools import demo
 
         return demo.run()
+    try:
+        if args.command == "dump":
+            return _dump(args)
+        if args.command == "diff":
+            return _diff(args)
+    except UsageError as error:
+        print(f"fxsplit {args.command}: error: {error}", file=sys.stderr)
+        return 2
     return 2
 
 

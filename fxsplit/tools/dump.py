@@ -1,0 +1,417 @@
+"""Per-graph dump folders: how one compiled graph was split, why, and what each piece is.
+
+:func:`write_dump` creates a new folder per compiled graph under a root folder and writes:
+
+============================  ====================================================================
+``dynamo_graph.py``           the Dynamo graph's code before the split
+``plan.txt``                  :meth:`fxsplit.plan.SplitPlan.format`
+``plan.json``                 the plan as data (see :func:`plan_dict`, ``schema_version``)
+``piece_<i>.py``              each piece's generated code, with a header: kind, regions, reasons
+``stitched.py``               the stitched top-level module's code
+``split.dot``                 Graphviz source of the picture (always)
+``split.svg``                 the picture, where Graphviz's ``dot`` program is installed
+``split_svg_missing.txt``     instead of ``split.svg`` where it is not: why and how to install it
+``report.html``               self-contained report (:mod:`fxsplit.tools.report`)
+``runtime.json``              run-time figures, once :func:`write_runtime_stats` is called
+============================  ====================================================================
+
+Folder names are ``<counter>_<graph_id>`` (``000_graph_0``, ``001_graph_1``, ``002_graph_0``
+after a reset): the counter is process-wide and a folder that already exists (an earlier run, or
+another process writing to the same root) is skipped, never overwritten.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import threading
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from fxsplit.plan import Piece, SplitPlan
+
+__all__ = [
+    "KIND_COLOURS",
+    "RUNTIME_COUNTERS",
+    "SCHEMA_VERSION",
+    "dumps_json",
+    "piece_source",
+    "plan_dict",
+    "plan_table",
+    "split_graph",
+    "value_info",
+    "write_dump",
+    "write_runtime_stats",
+]
+
+SCHEMA_VERSION = 1
+"""Version of ``plan.json``'s layout; bumped on any change of keys or their meaning."""
+
+KIND_COLOURS = {"captured": "#cfe3ff", "eager": "#ffd9b3"}
+"""Fill colour per piece kind, shared by the picture and the HTML report."""
+
+_INSTALL_NOTE = """\
+split.svg was not drawn: {why}
+
+The dump still holds split.dot, the Graphviz source of the picture. To get the SVG, install
+Graphviz (the `dot` program), then rerun, or render this file by hand:
+
+    apt-get install -y graphviz      # Debian / Ubuntu
+    dnf install -y graphviz          # Fedora / RHEL
+    brew install graphviz            # macOS
+    conda install -c conda-forge graphviz
+
+    dot -Tsvg split.dot -o split.svg
+"""
+
+_counter = itertools.count()
+_counter_lock = threading.Lock()
+
+
+def _new_folder(root: Path, graph_id: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        with _counter_lock:
+            index = next(_counter)
+        folder = root / f"{index:03d}_{graph_id}"
+        try:
+            folder.mkdir()  # atomic: never reuses a folder another writer created
+        except FileExistsError:
+            continue
+        return folder
+
+
+def _dims(shape: Iterable[object]) -> list[int | str]:
+    return [d if isinstance(d, int) else str(d) for d in shape]
+
+
+def value_info(name: str, value: object) -> dict:
+    """Describe one value a piece reads or returns.
+
+    Returns:
+        ``{"name", "type"}``, plus ``"shape"`` (ints, or strings for symbolic sizes such as
+        ``"s72"``), ``"dtype"`` and ``"device"`` for a tensor, ``"value"`` (as a string) for a
+        SymInt / SymFloat / SymBool / int / float / bool, ``"length"`` for a tuple or list.
+        ``"type"`` is ``"unknown"`` where the graph recorded no example value.
+    """
+    info: dict = {"name": name}
+    if value is None:
+        info["type"] = "unknown"
+    elif isinstance(value, torch.Tensor):
+        info["type"] = "Tensor"
+        info["shape"] = _dims(value.shape)
+        info["dtype"] = str(value.dtype)
+        info["device"] = str(value.device)
+    elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+        info["type"] = type(value).__name__
+        info["value"] = str(value)
+    elif isinstance(value, (tuple, list)):
+        info["type"] = type(value).__name__
+        info["length"] = len(value)
+    else:
+        info["type"] = type(value).__name__
+    return info
+
+
+def _values_by_name(split) -> dict[str, object]:
+    """Example value of every named value in the split graph (placeholders, get_attr, nodes)."""
+    stitched = split.materialised.stitched
+    values: dict[str, object] = {}
+    for node in stitched.graph.nodes:
+        if node.op == "placeholder":
+            values[node.name] = node.meta.get("example_value")
+        elif node.op == "get_attr":
+            value = node.meta.get("example_value")
+            if value is None:
+                value = stitched
+                for atom in str(node.target).split("."):
+                    value = getattr(value, atom, None)
+            values[node.name] = value
+    for node in (*split.marks.host, *split.marks.nodes):
+        values[node.name] = node.meta.get("example_value")
+    return values
+
+
+def _example_inputs(example_inputs) -> list[dict] | None:
+    if example_inputs is None:
+        return None
+    return [value_info(str(i), v) for i, v in enumerate(example_inputs)]
+
+
+def plan_dict(split, *, example_inputs=None) -> dict:
+    """The plan of ``split`` as JSON-ready data (the content of ``plan.json``).
+
+    Args:
+        split: a :class:`fxsplit.passes.Split`.
+        example_inputs: the graph's example inputs as Dynamo passed them to the backend; described
+            (:func:`value_info`) under ``"example_inputs"`` when given, else that key is None.
+
+    Returns:
+        ``schema_version``, ``graph_id``, ``runner``, ``eager_regions`` (sorted), ``num_nodes``,
+        ``num_pieces``, ``num_captured``, ``num_eager``, ``split_ms`` (wall time of the split,
+        milliseconds), ``torch_version``, ``graph_inputs`` (the placeholders), ``example_inputs``
+        and ``pieces``: per piece ``name``, ``kind``, ``regions`` (sorted), ``reasons``,
+        ``num_ops``, ``nodes``, ``inputs`` / ``outputs`` (:func:`value_info` each) and ``file``.
+    """
+    plan: SplitPlan = split.plan
+    values = _values_by_name(split)
+    placeholders = [
+        n.name for n in split.materialised.stitched.graph.nodes if n.op == "placeholder"
+    ]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "graph_id": plan.graph_id,
+        "runner": plan.runner,
+        "eager_regions": sorted(plan.eager_regions),
+        "num_nodes": plan.num_nodes,
+        "num_pieces": len(plan.pieces),
+        "num_captured": len(plan.captured),
+        "num_eager": len(plan.eager),
+        "split_ms": round(plan.split_seconds * 1e3, 3),
+        "torch_version": str(torch.__version__),
+        "graph_inputs": [value_info(n, values.get(n)) for n in placeholders],
+        "example_inputs": _example_inputs(example_inputs),
+        "pieces": [
+            {
+                "name": p.name,
+                "kind": p.kind,
+                "regions": sorted(p.regions),
+                "reasons": list(p.reasons),
+                "num_ops": p.num_ops,
+                "nodes": list(p.nodes),
+                "inputs": [value_info(n, values.get(n)) for n in p.inputs],
+                "outputs": [value_info(n, values.get(n)) for n in p.outputs],
+                "file": f"{p.name}.py",
+            }
+            for p in plan.pieces
+        ],
+    }
+
+
+def piece_source(piece: Piece, code: str) -> str:
+    """``code`` of ``piece`` with a comment header: kind, ops, regions, reasons, inputs, outputs."""
+    header = [
+        f"# {piece.name}: {piece.kind}, {piece.num_ops} ops",
+        f"# regions: {', '.join(sorted(piece.regions)) or '-'}",
+        f"# reasons: {', '.join(piece.reasons) or '-'}",
+        f"# inputs: {', '.join(piece.inputs) or '-'}",
+        f"# outputs: {', '.join(piece.outputs) or '-'}",
+    ]
+    return "\n".join(header) + "\n\n" + code.strip("\n") + "\n"
+
+
+def _label_list(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... (+{len(names) - limit})" if len(names) > limit else "")
+
+
+def split_graph(split):
+    """The picture of ``split`` as a ``graphviz.Digraph`` (needs no ``dot`` program to build).
+
+    One box per piece, filled by kind (:data:`KIND_COLOURS`), labelled with its name, kind, op
+    count, regions and (eager) reasons; a ``graph inputs`` and an ``output`` node; one edge per
+    pair of pieces that pass values, labelled with the number of values (names in the tooltip).
+    """
+    import graphviz
+
+    plan: SplitPlan = split.plan
+    stitched = split.materialised.stitched
+    dot = graphviz.Digraph(name=plan.graph_id, comment=f"fxsplit {plan.graph_id}")
+    dot.attr(rankdir="TB", fontname="Helvetica", label=_graph_title(plan), labelloc="t")
+    dot.attr("node", shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10")
+    dot.attr("edge", fontname="Helvetica", fontsize="9")
+    dot.node("inputs", "graph inputs", shape="oval", fillcolor="#eeeeee")
+    for piece in plan.pieces:
+        lines = [f"{piece.name}", f"{piece.kind}, {piece.num_ops} ops"]
+        if piece.regions:
+            lines.append("regions: " + ", ".join(sorted(piece.regions)))
+        if piece.reasons:
+            lines.append("reasons: " + ", ".join(piece.reasons))
+        dot.node(
+            piece.name,
+            "\n".join(lines),
+            fillcolor=KIND_COLOURS.get(piece.kind, "#ffffff"),
+            tooltip=f"{piece.name} ({piece.kind})",
+        )
+    dot.node("output", "output", shape="oval", fillcolor="#eeeeee")
+
+    pieces = {p.name: p for p in plan.pieces}
+
+    def source(node) -> tuple[str, str]:
+        if node.op == "call_module" and node.target in pieces:
+            return str(node.target), pieces[str(node.target)].outputs[0]
+        if (
+            node.op == "call_function"
+            and node.args
+            and isinstance(node.args[0], torch.fx.Node)
+            and node.args[0].op == "call_module"
+            and node.args[0].target in pieces
+        ):
+            return str(node.args[0].target), node.name
+        return "inputs", node.name
+
+    edges: dict[tuple[str, str], list[str]] = {}
+    for node in stitched.graph.nodes:
+        if node.op == "call_module" and node.target in pieces:
+            target = str(node.target)
+        elif node.op == "output":
+            target = "output"
+        else:
+            continue
+        for arg in node.all_input_nodes:
+            src, name = source(arg)
+            names = edges.setdefault((src, target), [])
+            if name not in names:
+                names.append(name)
+    for (src, dst), names in edges.items():
+        attrs = {"label": f"{len(names)} value{'s' if len(names) != 1 else ''}"}
+        attrs["tooltip"] = _label_list(names, 20)
+        if src == "inputs":
+            attrs.update(color="#999999", fontcolor="#777777", style="dashed")
+        dot.edge(src, dst, **attrs)
+    return dot
+
+
+def _graph_title(plan: SplitPlan) -> str:
+    return (
+        f"{plan.graph_id}, runner {plan.runner}: {len(plan.pieces)} pieces "
+        f"({len(plan.captured)} captured, {len(plan.eager)} eager)"
+    )
+
+
+def _write_picture(folder: Path, split) -> None:
+    dot = split_graph(split)
+    (folder / "split.dot").write_text(dot.source, encoding="utf-8")
+    if shutil.which("dot") is None:
+        why = "Graphviz's `dot` program is not installed (not found on PATH)."
+    else:
+        import graphviz
+
+        try:
+            svg = dot.pipe(format="svg", encoding="utf-8")
+        except (graphviz.ExecutableNotFound, graphviz.CalledProcessError, OSError) as error:
+            why = f"running Graphviz's `dot` failed: {error}"
+        else:
+            (folder / "split.svg").write_text(svg, encoding="utf-8")
+            return
+    (folder / "split_svg_missing.txt").write_text(_INSTALL_NOTE.format(why=why), encoding="utf-8")
+
+
+def write_dump(root: str | os.PathLike, split, graph_code: str, *, example_inputs=None) -> Path:
+    """Write the dump folder of one compiled graph under ``root`` (created if missing).
+
+    Args:
+        root: the dump root, e.g. the ``dump_dir`` option or ``$FXSPLIT_DUMP_DIR``.
+        split: the :class:`fxsplit.passes.Split` the backend produced for the graph.
+        graph_code: the Dynamo graph's code before the split (``gm.print_readable(False)`` or
+            ``gm.code``; the split pass modifies the graph in place, so take it before).
+        example_inputs: the example inputs Dynamo gave the backend (optional; described in
+            ``plan.json``).
+
+    Returns:
+        the new folder (see the module docstring for its name and files).
+
+    Raises:
+        OSError: the folder or a file cannot be written.
+    """
+    from fxsplit.tools import report
+
+    folder = _new_folder(Path(root), split.plan.graph_id)
+    write = _writer(folder)
+    write("dynamo_graph.py", graph_code if graph_code.endswith("\n") else graph_code + "\n")
+    write("plan.txt", split.plan.format() + "\n")
+    data = plan_dict(split, example_inputs=example_inputs)
+    write("plan.json", dumps_json(data))
+    for piece, module in zip(split.plan.pieces, split.materialised.pieces, strict=True):
+        write(f"{piece.name}.py", piece_source(piece, module.code))
+    write("stitched.py", split.materialised.stitched.code.strip("\n") + "\n")
+    _write_picture(folder, split)
+    report.write_report(folder)
+    return folder
+
+
+_SCALAR_LIST = re.compile(r"\[\n\s*([^\[\]{}]*?)\n\s*\]")
+
+
+def dumps_json(data: object) -> str:
+    """``data`` as indented JSON text with each list of scalars (shapes, names) on one line."""
+    text = json.dumps(data, indent=1)
+    return _SCALAR_LIST.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text) + "\n"
+
+
+def _writer(folder: Path):
+    def write(name: str, text: str) -> None:
+        (folder / name).write_text(text, encoding="utf-8")
+
+    return write
+
+
+RUNTIME_COUNTERS = ("captures", "replays", "uncaptured_runs", "input_copies", "input_copy_bytes")
+"""Run-time counters in their display order; others follow, sorted by name."""
+
+
+def write_runtime_stats(folder: str | os.PathLike, stats: Mapping) -> None:
+    """Write run-time figures into a dump folder and re-render its ``report.html``.
+
+    Args:
+        folder: a folder :func:`write_dump` returned.
+        stats: piece name -> capture key -> counters, e.g. ``{"piece_0": {"T=4": {"captures": 1,
+            "replays": 9, "uncaptured_runs": 1, "input_copies": 3, "input_copy_bytes": 1024}}}``
+            (counts; ``input_copy_bytes`` in bytes). Keys are written as strings.
+
+    Raises:
+        TypeError: ``stats`` is not shaped as above, or a counter is not a number.
+        FileNotFoundError: ``folder`` holds no ``plan.json``.
+    """
+    from fxsplit.tools import report
+
+    folder = Path(folder)
+    if not (folder / "plan.json").is_file():
+        raise FileNotFoundError(f"{folder} is not an fxsplit dump folder (no plan.json)")
+    if not isinstance(stats, Mapping):
+        raise TypeError(f"stats must map piece name -> capture key -> counters, got {stats!r}")
+    clean: dict[str, dict[str, dict[str, int | float]]] = {}
+    for piece, keys in stats.items():
+        if not isinstance(keys, Mapping):
+            raise TypeError(f"stats[{piece!r}] must map capture key -> counters, got {keys!r}")
+        clean[str(piece)] = {}
+        for key, counters in keys.items():
+            if not isinstance(counters, Mapping) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in counters.values()
+            ):
+                raise TypeError(
+                    f"stats[{piece!r}][{key!r}] must map counter name -> number, got {counters!r}"
+                )
+            clean[str(piece)][str(key)] = {str(k): v for k, v in counters.items()}
+    (folder / "runtime.json").write_text(
+        dumps_json({"schema_version": SCHEMA_VERSION, "pieces": clean}),
+        encoding="utf-8",
+    )
+    report.write_report(folder)
+
+
+def plan_table(plan: SplitPlan, title: str | None = None):
+    """The plan as a ``rich.table.Table``: piece, kind, ops, regions, reasons (rows by kind)."""
+    from rich.table import Table
+
+    table = Table(title=title or _graph_title(plan), title_justify="left")
+    table.add_column("piece")
+    table.add_column("kind")
+    table.add_column("ops", justify="right")
+    table.add_column("regions")
+    table.add_column("reasons")
+    for p in plan.pieces:
+        table.add_row(
+            p.name,
+            p.kind,
+            str(p.num_ops),
+            ", ".join(sorted(p.regions)) or "-",
+            ", ".join(p.reasons) or "-",
+            style="dark_orange" if p.kind == "eager" else None,
+        )
+    return table
