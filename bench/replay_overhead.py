@@ -94,7 +94,8 @@ def main() -> None:
     print(f"{'piece':10} {'inputs':>6} {'params':>6} {'checked':>7} {'bound':>8} {'step':>8}")
     for name, n_inputs, n_params, n_checked, bound, real in rows:
         print(f"{name:10} {n_inputs:6d} {n_params:6d} {n_checked:7d} {bound:8.2f} {real:8.2f}")
-    print(f"parameter address check, once per step: {per_step:.2f} us, {len(runtime._params)} params")
+    n_params = len(runtime._params)
+    print(f"parameter address check, once per step: {per_step:.2f} us, {n_params} params")
 
 
 if __name__ == "__main__":

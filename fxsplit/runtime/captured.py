@@ -33,7 +33,7 @@ class VerifyError(RuntimeError):
 class _Entry:
     """One capture key of a piece: its graph, static inputs, the address table and counters."""
 
-    __slots__ = ("checks", "graph", "key", "mutated", "outputs", "ptrs", "statics", "counts")
+    __slots__ = ("checks", "counts", "graph", "key", "mutated", "outputs", "ptrs", "statics")
 
     def __init__(self, key, graph, statics, outputs, checks, mutated, counts):
         self.key = key
