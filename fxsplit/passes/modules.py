@@ -1,8 +1,9 @@
 """Module patterns: match nodes to ``module_regions`` / ``eager_modules`` via ``nn_module_stack``.
 
 A pattern is a module class name (``"DeepseekV4Indexer"``) or a glob over the qualified module
-path with Dynamo's ``L['self'].`` prefix stripped (``"model.layers.*.self_attn"``): ``*`` matches
-one path component (and globs within one, as in ``"layer*"``), ``**`` any number of them.
+path with Dynamo's ``L['self'].`` prefix (``G['model'].`` for a global model) stripped, such as
+``"model.layers.*.self_attn"``: ``*`` matches one path component (and globs within one, as in
+``"layer*"``), ``**`` any number of them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterable
 
 from torch.fx import Node
 
-_LOCAL_PREFIX = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+_LOCAL_PREFIX = re.compile(r"^[LG]\[['\"][^'\"]+['\"]\]\.?")
 _INDEX = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
 _MODULES = re.compile(r"(^|\.)_modules\.")
 

@@ -129,11 +129,13 @@ class OpMatcher:
         if names is None:
             return None
         base, overload = names
-        for wanted, name in self._by_op.get(base, ()):
-            if wanted is None or overload is None or wanted == overload:
-                self.used.add(name)
-                return name
-        return None
+        hits = [
+            name
+            for wanted, name in self._by_op.get(base, ())
+            if wanted is None or overload is None or wanted == overload
+        ]
+        self.used.update(hits)
+        return hits[0] if hits else None
 
 
 def unsafe_op(node: Node) -> str | None:

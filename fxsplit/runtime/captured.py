@@ -122,11 +122,22 @@ class CapturedPiece(torch.nn.Module):
             return self._uncaptured(inputs, key)
         self.entries[key] = entry
         self.stats.add(entry.counts, "captures")
+        for i, static, ptr in entry.mutated:
+            if inputs[i].data_ptr() != ptr:
+                inputs[i].copy_(static)
         return entry.outputs
 
     def _capture(self, key, inputs) -> _Entry:
+        """Capture ``key``; the returned entry's outputs hold this call's result.
+
+        Raises:
+            CaptureError / RuntimeError: an op illegal under capture, or inputs whose aliasing a
+                captured graph cannot keep (see :meth:`_check_aliasing`). Nothing the piece
+                writes is left changed by a failed capture.
+        """
         runtime = self.runtime
         persistent = runtime.persistent_inputs
+        self._check_aliasing(inputs)
         statics = []
         for spec, value in zip(self.specs, inputs, strict=True):
             if (
@@ -139,11 +150,25 @@ class CapturedPiece(torch.nn.Module):
             else:
                 statics.append(value.clone())
         graph = new_graph(runtime.mode, runtime.pool, runtime.device)
-        with runtime.capture_session():
+        # The emulator runs the piece while recording; if the capture then fails, the fallback
+        # run must find what the piece writes as it was (a CUDA capture executes nothing).
+        saved = (
+            [(s, s.clone()) for s, spec in zip(statics, self.specs, strict=True)
+             if spec.mutated and isinstance(s, torch.Tensor)]
+            if runtime.mode == "emulate" else []
+        )  # fmt: skip
+        runtime.capture_session.collect_once()
+        try:
             outputs = graph.capture(self.run_uncaptured, *statics)
-        for out in outputs if isinstance(outputs, tuple) else (outputs,):
+            self._check_outputs(outputs, statics)
+        except BaseException:
+            for static, copy in saved:
+                static.copy_(copy)
+            raise
+        for out in _flat(outputs):
             if isinstance(out, torch.Tensor):
                 runtime.static_outputs[id(out)] = out
+                runtime.static_ptrs.add(out.data_ptr())
         checks, mutated = [], []
         for i, (spec, static) in enumerate(zip(self.specs, statics, strict=True)):
             if not isinstance(static, torch.Tensor) or spec.kind in (PARAM, HOST):
@@ -160,6 +185,43 @@ class CapturedPiece(torch.nn.Module):
             checks.append((i, static, ptr, mode))
         counts = self.stats.key(key)
         return _Entry(key, graph, statics, outputs, tuple(checks), tuple(mutated), counts)
+
+    def _check_aliasing(self, inputs) -> None:
+        """Refuse to capture when two tensor inputs share storage and the piece writes one: the
+        static buffers are separate copies, so the write would not reach the other."""
+        if not any(spec.mutated for spec in self.specs):
+            return
+        storages: dict[int, str] = {}
+        for spec, value in zip(self.specs, inputs, strict=True):
+            if isinstance(value, torch.Tensor) and spec.kind in (RUNNER, INTERNAL):
+                ptr = value.untyped_storage().data_ptr()
+                if ptr in storages:
+                    raise RuntimeError(
+                        f"{self.name}: inputs {storages[ptr]!r} and {spec.name!r} share storage "
+                        "and the piece writes into its inputs; captured static buffers cannot "
+                        "keep that aliasing"
+                    )
+                storages[ptr] = spec.name
+
+    def _check_outputs(self, outputs, statics) -> None:
+        """Refuse outputs that are views of a copied runner input: eagerly they alias the
+        caller's tensor, replayed they would alias fxsplit's static copy."""
+        copied = {
+            s.untyped_storage().data_ptr(): spec.name
+            for s, spec in zip(statics, self.specs, strict=True)
+            if isinstance(s, torch.Tensor) and spec.kind == RUNNER
+        }
+        if self.runtime.persistent_inputs:
+            return
+        for out in _flat(outputs):
+            if isinstance(out, torch.Tensor):
+                name = copied.get(out.untyped_storage().data_ptr())
+                if name is not None:
+                    raise RuntimeError(
+                        f"{self.name}: an output is a view of runner input {name!r}; a replay "
+                        "would return a view of fxsplit's static copy instead of the caller's "
+                        "tensor"
+                    )
 
     def _moved(self, i: int, value, ptr: int) -> BindingError:
         spec = self.specs[i]

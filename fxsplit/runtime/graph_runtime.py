@@ -26,28 +26,43 @@ log = logging.getLogger("fxsplit")
 
 
 class CaptureSession:
-    """Collects garbage once and freezes the collector for a whole capture session.
+    """Collects garbage at most once per capture session and keeps the collector frozen in it.
 
     Capturing many pieces (or many sizes) with a ``gc.collect()`` per piece made capture take
-    seconds per size; here the first capture of a session collects, and nested captures inside
-    the session do nothing more.
+    seconds per size. A session is a step of a compiled graph, or ``Backend.capture`` around many
+    steps; the first capture inside it collects and freezes, the session's end unfreezes.
     """
 
     def __init__(self):
         self.depth = 0
+        self.frozen = False
+
+    def enter(self) -> None:
+        """Open a (possibly nested) session; collects nothing yet."""
+        self.depth += 1
+
+    def exit(self) -> None:
+        """Close a session; the outermost one unfreezes the collector if a capture froze it."""
+        self.depth -= 1
+        if self.depth == 0 and self.frozen:
+            self.frozen = False
+            gc.unfreeze()
+
+    def collect_once(self) -> None:
+        """Called before each capture: collect and freeze on the session's first capture."""
+        if not self.frozen:
+            gc.collect()
+            if self.depth > 0:
+                gc.freeze()
+                self.frozen = True
 
     @contextlib.contextmanager
     def __call__(self):
-        if self.depth == 0:
-            gc.collect()
-            gc.freeze()
-        self.depth += 1
+        self.enter()
         try:
             yield
         finally:
-            self.depth -= 1
-            if self.depth == 0:
-                gc.unfreeze()
+            self.exit()
 
 
 class GraphRuntime:
@@ -84,6 +99,7 @@ class GraphRuntime:
         self.capture_sizes = frozenset(config.capture_sizes) if config.capture_sizes else None
         self.capture_step = False
         self.static_outputs: dict[int, torch.Tensor] = {}
+        self.static_ptrs: set[int] = set()
         self._warned_limit = False
         self._warned_grad = False
         self._logged_sizes: set[int] = set()
@@ -91,6 +107,11 @@ class GraphRuntime:
         stitched = split.materialised.stitched
         placeholders = list(stitched.graph.find_nodes(op="placeholder"))
         self._params = [i for i, n in enumerate(placeholders) if binding._is_static_input(n)]
+        self._runner_inputs = [
+            i
+            for i, value in enumerate(example_inputs)
+            if isinstance(value, torch.Tensor) and i not in self._params
+        ]
         self._param_ptrs: tuple | None = None
         self._size_index = next(
             (
@@ -123,9 +144,21 @@ class GraphRuntime:
 
     def __call__(self, *args):
         self.capture_step = self._may_capture(args)
-        if self.capture_step and self._params:
-            self._check_params(args)
-        out = self._forward(*args)
+        if self.capture_step:
+            if self._params:
+                self._check_params(args)
+            static_ptrs = self.static_ptrs
+            for i in self._runner_inputs:
+                if args[i].data_ptr() in static_ptrs:
+                    # A previous output handed back in: this step's replays overwrite it before
+                    # it is read, so read it from a private copy.
+                    args = (*args[:i], args[i].clone(), *args[i + 1 :])
+        session = self.capture_session
+        session.enter()
+        try:
+            out = self._forward(*args)
+        finally:
+            session.exit()
         if self.clone_outputs:
             out = tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
         return out
@@ -169,6 +202,7 @@ class GraphRuntime:
                 piece.entries.clear()
                 piece.warmups.clear()
             self.static_outputs.clear()
+            self.static_ptrs.clear()
             log.info(
                 "fxsplit %s: parameters or buffers moved since capture; dropped %d captured "
                 "graphs, recapturing",
@@ -200,6 +234,7 @@ class GraphRuntime:
                 entry.graph.reset()
             piece.entries.clear()
         self.static_outputs.clear()
+        self.static_ptrs.clear()
 
 
 __all__ = ["CaptureSession", "GraphRuntime", "PieceStats"]

@@ -34,6 +34,4 @@ class PieceStats:
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """``{str(key): {counter: value}}`` as plain dicts (``"uncaptured"`` for key None)."""
-        return {
-            ("uncaptured" if k is None else str(k)): dict(v) for k, v in self.per_key.items()
-        }
+        return {("uncaptured" if k is None else str(k)): dict(v) for k, v in self.per_key.items()}

@@ -112,14 +112,21 @@ def _compile(spec: str, factory, options: dict):
     return backend, records
 
 
-def _dump(args) -> int:
+def _console():
+    """A rich console; 140 columns when writing to a pipe or file without ``COLUMNS`` set."""
     from rich.console import Console
 
+    if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+        return Console(width=140)
+    return Console()
+
+
+def _dump(args) -> int:
     from fxsplit.tools.dump import plan_table, write_dump
 
     factory = _load_factory(args.factory)
     _, records = _compile(args.factory, factory, _options(args.options, args.runner))
-    console = Console()
+    console = _console()
     for split, code, inputs in records:
         console.print(plan_table(split.plan))
         folder = write_dump(args.out, split, code, example_inputs=inputs)
@@ -130,8 +137,6 @@ def _dump(args) -> int:
 
 
 def _diff(args) -> int:
-    from rich.console import Console
-
     from fxsplit.tools.diff import diff_splits, print_diff
 
     runners = args.runner or []
@@ -141,7 +146,7 @@ def _diff(args) -> int:
     compiled = [
         _compile(args.factory, factory, _options(args.options, runner))[1] for runner in runners
     ]
-    console = Console()
+    console = _console()
     for (a, _, _), (b, _, _) in zip(*compiled, strict=False):
         print_diff(console, diff_splits(a, b), nodes=not args.summary)
     if len(compiled[0]) != len(compiled[1]):

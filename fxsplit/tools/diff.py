@@ -155,11 +155,12 @@ def print_diff(console, diff: GraphDiff, *, nodes: bool = True) -> None:
     from rich.table import Table
 
     a, b = diff.plan_a, diff.plan_b
-    la, lb = _label(a, "A"), _label(b, "B")
+    la, lb = "A", "B"
     console.print(
-        f"[bold]{a.graph_id}[/bold]: {la}: {len(a.pieces)} pieces ({len(a.captured)} captured, "
-        f"{len(a.eager)} eager); {lb}: {len(b.pieces)} pieces ({len(b.captured)} captured, "
-        f"{len(b.eager)} eager); {len(diff.moved)} nodes moved",
+        f"[bold]{a.graph_id}[/bold]: {_label(a, 'A')}: {len(a.pieces)} pieces "
+        f"({len(a.captured)} captured, {len(a.eager)} eager); {_label(b, 'B')}: "
+        f"{len(b.pieces)} pieces ({len(b.captured)} captured, {len(b.eager)} eager); "
+        f"{len(diff.moved)} nodes moved",
         highlight=False,
     )
     side = Table(title=f"{a.graph_id}: pieces side by side", title_justify="left")
@@ -167,7 +168,7 @@ def print_diff(console, diff: GraphDiff, *, nodes: bool = True) -> None:
         side.add_column(f"{label} piece")
         side.add_column("kind")
         side.add_column("ops", justify="right")
-        side.add_column("regions")
+        side.add_column("regions", overflow="fold")
     for i in range(max(len(a.pieces), len(b.pieces))):
         cells = []
         for plan in (a, b):
@@ -183,7 +184,7 @@ def print_diff(console, diff: GraphDiff, *, nodes: bool = True) -> None:
     else:
         groups = Table(title=f"{a.graph_id}: moved nodes by region", title_justify="left")
         for column in ("regions", la, lb, "nodes", f"why under {la}", f"why under {lb}"):
-            groups.add_column(column)
+            groups.add_column(column, overflow="fold")
         for g in diff.summary():
             groups.add_row(
                 ", ".join(g.regions) or "-",

@@ -9,7 +9,8 @@
 ``piece_<i>.py``              each piece's generated code, with a header: kind, regions, reasons
 ``stitched.py``               the stitched top-level module's code
 ``split.dot``                 Graphviz source of the picture (always)
-``split.svg``                 the picture, where Graphviz's ``dot`` program is installed
+``split.svg``                 the picture, where Graphviz's ``dot`` program is installed (drawn
+                              by ``dot``, up to :data:`DOT_TIMEOUT_S`)
 ``split_svg_missing.txt``     instead of ``split.svg`` where it is not: why and how to install it
 ``report.html``               self-contained report (:mod:`fxsplit.tools.report`)
 ``runtime.json``              run-time figures, once :func:`write_runtime_stats` is called
@@ -27,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -59,7 +61,7 @@ _INSTALL_NOTE = """\
 split.svg was not drawn: {why}
 
 The dump still holds split.dot, the Graphviz source of the picture. To get the SVG, install
-Graphviz (the `dot` program), then rerun, or render this file by hand:
+Graphviz (the `dot` program) where it is missing and rerun, or render the source by hand:
 
     apt-get install -y graphviz      # Debian / Ubuntu
     dnf install -y graphviz          # Fedora / RHEL
@@ -213,36 +215,24 @@ def _label_list(names: list[str], limit: int = 6) -> str:
 def split_graph(split):
     """The picture of ``split`` as a ``graphviz.Digraph`` (needs no ``dot`` program to build).
 
-    One box per piece, filled by kind (:data:`KIND_COLOURS`), labelled with its name, kind, op
-    count, regions and (eager) reasons; a ``graph inputs`` and an ``output`` node; one edge per
-    pair of pieces that pass values, labelled with the number of values (names in the tooltip).
+    One box per piece, top to bottom in execution order, filled by kind (:data:`KIND_COLOURS`) and
+    labelled with its name, kind, op count, regions, (eager) reasons and how many graph inputs it
+    reads; an ``output`` node; one edge per pair of pieces that pass values (and per piece the
+    graph output reads), labelled with the number of values, their names in the tooltip.
+
+    Only edges between consecutive pieces constrain the layout (plus invisible ones that keep the
+    execution order): edges that skip pieces and one edge per graph input would make ``dot``'s
+    layout take minutes on graphs of a hundred pieces.
     """
     import graphviz
 
     plan: SplitPlan = split.plan
     stitched = split.materialised.stitched
-    dot = graphviz.Digraph(name=plan.graph_id, comment=f"fxsplit {plan.graph_id}")
-    dot.attr(rankdir="TB", fontname="Helvetica", label=_graph_title(plan), labelloc="t")
-    dot.attr("node", shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10")
-    dot.attr("edge", fontname="Helvetica", fontsize="9")
-    dot.node("inputs", "graph inputs", shape="oval", fillcolor="#eeeeee")
-    for piece in plan.pieces:
-        lines = [f"{piece.name}", f"{piece.kind}, {piece.num_ops} ops"]
-        if piece.regions:
-            lines.append("regions: " + ", ".join(sorted(piece.regions)))
-        if piece.reasons:
-            lines.append("reasons: " + ", ".join(piece.reasons))
-        dot.node(
-            piece.name,
-            "\n".join(lines),
-            fillcolor=KIND_COLOURS.get(piece.kind, "#ffffff"),
-            tooltip=f"{piece.name} ({piece.kind})",
-        )
-    dot.node("output", "output", shape="oval", fillcolor="#eeeeee")
-
     pieces = {p.name: p for p in plan.pieces}
+    order = {p.name: i for i, p in enumerate(plan.pieces)}
+    order["output"] = len(plan.pieces)
 
-    def source(node) -> tuple[str, str]:
+    def source(node) -> tuple[str | None, str]:
         if node.op == "call_module" and node.target in pieces:
             return str(node.target), pieces[str(node.target)].outputs[0]
         if (
@@ -253,9 +243,10 @@ def split_graph(split):
             and node.args[0].target in pieces
         ):
             return str(node.args[0].target), node.name
-        return "inputs", node.name
+        return None, node.name  # a placeholder, get_attr or host value: a graph input
 
     edges: dict[tuple[str, str], list[str]] = {}
+    graph_inputs: dict[str, list[str]] = {}
     for node in stitched.graph.nodes:
         if node.op == "call_module" and node.target in pieces:
             target = str(node.target)
@@ -265,14 +256,45 @@ def split_graph(split):
             continue
         for arg in node.all_input_nodes:
             src, name = source(arg)
-            names = edges.setdefault((src, target), [])
+            names = (
+                graph_inputs.setdefault(target, [])
+                if src is None
+                else edges.setdefault((src, target), [])
+            )
             if name not in names:
                 names.append(name)
+
+    dot = graphviz.Digraph(name=plan.graph_id, comment=f"fxsplit {plan.graph_id}")
+    dot.attr(rankdir="TB", fontname="Helvetica", label=_graph_title(plan), labelloc="t")
+    dot.attr("node", shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10")
+    dot.attr("edge", fontname="Helvetica", fontsize="9")
+    for piece in plan.pieces:
+        lines = [f"{piece.name}", f"{piece.kind}, {piece.num_ops} ops"]
+        if piece.regions:
+            lines.append("regions: " + ", ".join(sorted(piece.regions)))
+        if piece.reasons:
+            lines.append("reasons: " + ", ".join(piece.reasons))
+        if inputs := graph_inputs.get(piece.name):
+            lines.append(f"+ {len(inputs)} graph input{'s' if len(inputs) != 1 else ''}")
+        dot.node(
+            piece.name,
+            "\n".join(lines),
+            fillcolor=KIND_COLOURS.get(piece.kind, "#ffffff"),
+            tooltip=f"{piece.name} ({piece.kind}); graph inputs: "
+            + (_label_list(graph_inputs.get(piece.name, []), 20) or "-"),
+        )
+    dot.node("output", "output", shape="oval", fillcolor="#eeeeee")
+    chain = [p.name for p in plan.pieces] + ["output"]
+    for a, b in itertools.pairwise(chain):
+        if (a, b) not in edges:
+            dot.edge(a, b, style="invis")
     for (src, dst), names in edges.items():
-        attrs = {"label": f"{len(names)} value{'s' if len(names) != 1 else ''}"}
-        attrs["tooltip"] = _label_list(names, 20)
-        if src == "inputs":
-            attrs.update(color="#999999", fontcolor="#777777", style="dashed")
+        attrs = {
+            "label": f"{len(names)} value{'s' if len(names) != 1 else ''}",
+            "tooltip": _label_list(names, 20),
+        }
+        if order[dst] != order[src] + 1:
+            attrs.update(constraint="false", color="#777777")
         dot.edge(src, dst, **attrs)
     return dot
 
@@ -284,20 +306,35 @@ def _graph_title(plan: SplitPlan) -> str:
     )
 
 
+DOT_TIMEOUT_S = 60.0
+"""Longest wait for Graphviz's ``dot`` to draw ``split.svg``, in seconds; past it the dump keeps
+``split.dot`` and a note instead."""
+
+
 def _write_picture(folder: Path, split) -> None:
-    dot = split_graph(split)
-    (folder / "split.dot").write_text(dot.source, encoding="utf-8")
-    if shutil.which("dot") is None:
+    source = split_graph(split).source
+    (folder / "split.dot").write_text(source, encoding="utf-8")
+    dot = shutil.which("dot")
+    if dot is None:
         why = "Graphviz's `dot` program is not installed (not found on PATH)."
     else:
-        import graphviz
-
         try:
-            svg = dot.pipe(format="svg", encoding="utf-8")
-        except (graphviz.ExecutableNotFound, graphviz.CalledProcessError, OSError) as error:
-            why = f"running Graphviz's `dot` failed: {error}"
+            done = subprocess.run(
+                [dot, "-Tsvg"],
+                input=source.encode("utf-8"),
+                capture_output=True,
+                timeout=DOT_TIMEOUT_S,
+                check=True,
+            )
+        except subprocess.TimeoutExpired:
+            why = f"Graphviz's `dot` took longer than {DOT_TIMEOUT_S:g} s and was stopped."
+        except subprocess.CalledProcessError as error:
+            stderr = error.stderr.decode("utf-8", "replace").strip()
+            why = f"Graphviz's `dot` failed (exit status {error.returncode}): {stderr}"
+        except OSError as error:
+            why = f"Graphviz's `dot` could not run: {error}"
         else:
-            (folder / "split.svg").write_text(svg, encoding="utf-8")
+            (folder / "split.svg").write_text(done.stdout.decode("utf-8"), encoding="utf-8")
             return
     (folder / "split_svg_missing.txt").write_text(_INSTALL_NOTE.format(why=why), encoding="utf-8")
 

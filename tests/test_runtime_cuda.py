@@ -1,0 +1,182 @@
+"""The capture runtime on a real CUDA/HIP device (``capture="cuda"``): the core checks of
+``tests/test_runtime.py``, small and quick. Skipped where torch sees no CUDA device.
+
+Outputs are compared with a tight tolerance rather than bit for bit: a kernel launched from a
+graph may use another cuBLAS workspace than the eager launch. Stale reads (the field's bug) give
+errors far above it. Replay speed is not asserted here (see ``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit import counters
+from fxsplit.models import deepseek_v4 as ds
+from fxsplit.runtime.binding import RUNNER, BindingError
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device"),
+]
+
+CFG = ds.DeepseekV4Config()
+PREP_CAPTURED = {"eager_regions": [fxsplit.SPARSE_INDEXER, fxsplit.ATTENTION]}
+METADATA = ("positions", "slot_mapping", "block_table", "seq_lens")
+MID = "eager_mid"
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    torch._dynamo.reset()
+    counters.reset()
+    yield
+    torch._dynamo.reset()
+    counters.reset()
+
+
+def _ds_compiled(**options):
+    backend = fxsplit.Backend(capture="cuda", **options)
+    model = ds.build(CFG).to("cuda")
+    return torch.compile(model, backend=backend, dynamic=True, fullgraph=True), backend
+
+
+def _ds_decode(model, batches, persistent=False):
+    runner = ds.DecodeRunner(CFG, max(batches), persistent=persistent, device="cuda")
+    with torch.no_grad():
+        out = ds.run_decode(model, runner, batches)
+    torch.cuda.synchronize()
+    return out
+
+
+def _ds_eager(batches, persistent=False):
+    return _ds_decode(ds.build(CFG).to("cuda"), batches, persistent)
+
+
+def _close(a, b) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, **TOL)
+
+
+def _piece_totals(backend, graph="graph_0") -> dict[str, Counter]:
+    return {
+        piece: sum((Counter(c) for c in keys.values()), Counter())
+        for piece, keys in backend.stats[graph].items()
+    }
+
+
+def _prep_pieces(backend) -> list[str]:
+    return [p.name for p in backend.plans[0].captured if fxsplit.ATTN_PREP in p.regions]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        with fxsplit.region(MID):
+            h = torch.relu(h) + 1
+        return self.b(h)
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net().eval().requires_grad_(False).to("cuda")
+
+
+def test_v1_default_plan_matches_eager_across_changing_sizes():
+    batches = [2, 2, 4, 4, 3, 2, 5, 4, 2, 3, 4, 2]
+    expected = _ds_eager(batches)
+    model, backend = _ds_compiled(capture_sizes=[2, 4])
+    got = _ds_decode(model, batches)
+    assert backend.runtimes[0].mode == "cuda"
+    assert not _prep_pieces(backend)
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert _close(a, b), step
+    captured = len(backend.plans[0].captured)
+    assert counters.snapshot()["captures"] == 2 * captured
+    assert counters.snapshot()["replays"] > 0
+
+
+def test_v1_prep_captured_with_trust_gives_wrong_output():
+    batches = [2] * 5
+    expected = _ds_eager(batches)
+    model, backend = _ds_compiled(**PREP_CAPTURED, input_binding="trust")
+    got = _ds_decode(model, batches)
+    assert _prep_pieces(backend)
+    assert _close(got[0], expected[0]) and _close(got[1], expected[1])
+    assert not all(_close(a, b) for a, b in zip(got[2:], expected[2:], strict=True))
+
+
+def test_v1_prep_captured_strict_refuses_fresh_metadata():
+    model, backend = _ds_compiled(**PREP_CAPTURED, input_binding="strict")
+    runner = ds.DecodeRunner(CFG, 2, device="cuda")
+    with torch.no_grad():
+        model(*runner.step(2))
+        model(*runner.step(2))
+        step = runner.step(2)
+        with pytest.raises(BindingError) as info:
+            model(*step)
+    message = str(info.value)
+    assert any(re.search(rf"\b{name}\b", message) for name in _prep_pieces(backend)), message
+    specs = [s for p in backend.runtimes[0].pieces for s in p.specs if s.kind == RUNNER]
+    assert any(s.name in message and s.source in message for s in specs), message
+    addresses = set(re.findall(r"0x[0-9a-f]+", message))
+    assert len(addresses) == 2 and {f"0x{t.data_ptr():x}" for t in step} & addresses
+
+
+def test_v2_persistent_buffers_prep_captured_matches_eager():
+    batches = [2, 3, 4, 2, 3, 4, 4, 2]
+    expected = _ds_eager(batches, persistent=True)
+    model, backend = _ds_compiled(runner="v2")
+    assert backend.config.binding == "strict"
+    got = _ds_decode(model, batches, persistent=True)
+    assert _prep_pieces(backend)
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert _close(a, b), step
+    for piece in backend.runtimes[0].pieces:
+        runner_inputs = {s.name for s in piece.specs if s.kind == RUNNER}
+        assert not runner_inputs & set(piece.stats.copies_by_input), piece.name
+    assert counters.snapshot()["replays"] == 2 * len(backend.plans[0].captured)
+
+
+def test_one_capture_per_piece_per_size_then_replays():
+    net = _net()
+    backend = fxsplit.Backend(eager_regions=[MID])  # capture="auto": CUDA tensors -> "cuda"
+    model = torch.compile(net, backend=backend, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for i, n in enumerate([2, 2, 2, 4, 4, 4, 2, 4]):
+            x = torch.randn(n, 16, device="cuda") + i
+            assert _close(model(x), net(x)), i
+    assert backend.runtimes[0].mode == "cuda"
+    assert [p.kind for p in backend.plans[0].pieces] == ["captured", "eager", "captured"]
+    for piece, keys in backend.stats["graph_0"].items():
+        captured = [c for c in keys.values() if c.get("captures")]
+        assert len(captured) == 2, piece
+        assert all(c["captures"] == 1 and c["replays"] == 2 for c in captured), piece
+    snap = counters.snapshot()
+    assert snap["captures"] == 4 and snap["replays"] == 8
+
+
+def test_graphs_of_one_backend_share_one_pool():
+    net = _net()
+    backend, other = fxsplit.Backend(eager_regions=[MID]), fxsplit.Backend(eager_regions=[MID])
+    model = torch.compile(net, backend=backend, dynamic=False, fullgraph=True)
+    model_other = torch.compile(_net(), backend=other, dynamic=False, fullgraph=True)
+    with torch.no_grad():
+        for n in (2, 3, 2, 3, 2, 3):
+            x = torch.randn(n, 16, device="cuda")
+            assert _close(model(x), net(x))
+            model_other(x)
+    pools = [rt.pool for rt in backend.runtimes]
+    assert len(pools) == 2 and pools[0] is not None and pools[0] is pools[1]
+    assert other.runtimes[0].pool is not pools[0]
+    assert sum(t["replays"] for t in _piece_totals(backend, "graph_1").values()) == 2
