@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import counters
+from fxsplit import counters, trace
 from fxsplit.config import Config
 from fxsplit.passes import Split, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
 from fxsplit.runtime.graph_runtime import CaptureSession, GraphRuntime
+from fxsplit.tools import dump
 
 log = logging.getLogger("fxsplit")
 
@@ -44,6 +47,7 @@ class Backend:
         self.plans: list[SplitPlan] = []
         self.compiled: list[Split] = []
         self.runtimes: list[GraphRuntime] = []
+        self._dumps: list[tuple[object, GraphRuntime | None]] = []
         self._pools: dict[torch.device, object] = {}
         self._session = CaptureSession()
         self._count = 0
@@ -79,6 +83,8 @@ class Backend:
         with self._lock:
             graph_id = f"graph_{self._count}"
             self._count += 1
+        dump_root = config.dump_folder
+        graph_code = gm.code if dump_root else ""  # the split edits the graph in place
         runner = config.runner_policy
         policy = Policy.build(
             runner, config.splitting_ops, config.module_regions, config.eager_modules
@@ -115,14 +121,26 @@ class Backend:
         counters.totals["pieces"] += len(plan.pieces)
         counters.totals["captured_pieces"] += len(plan.captured)
         counters.totals["eager_pieces"] += len(plan.eager)
+        trace.emit_plan(result)
         mode, device = _capture_mode(config.capture, example_inputs)
-        if mode == "off":
-            return result.materialised.stitched.forward
-        runtime = GraphRuntime(
-            result, config, mode, example_inputs, self._pool(mode, device), device, self._session
-        )
-        self.runtimes.append(runtime)
-        return runtime
+        runtime = None
+        if mode != "off":
+            runtime = GraphRuntime(
+                result,
+                config,
+                mode,
+                example_inputs,
+                self._pool(mode, device),
+                device,
+                self._session,
+            )
+            self.runtimes.append(runtime)
+        if dump_root:
+            folder = dump.write_dump(dump_root, result, graph_code, example_inputs=example_inputs)
+            self._dumps.append((folder, runtime))
+            _BACKENDS_WITH_DUMPS.add(self)
+            log.info("fxsplit %s: dump in %s", graph_id, folder)
+        return result.materialised.stitched.forward if runtime is None else runtime
 
     def _warn_unmatched(self, policy: Policy) -> None:
         matched = policy.splitting_ops.used | policy.module_regions.used
@@ -171,8 +189,17 @@ class Backend:
                 for _ in range(runs):
                     model(*inputs_by_size[size])
 
+    def write_runtime_stats(self) -> None:
+        """Write the run-time figures of every dumped graph into its dump folder (also done at
+        reset and at process exit)."""
+        for folder, runtime in self._dumps:
+            if runtime is not None:
+                dump.write_runtime_stats(folder, runtime.stats())
+
     def reset(self) -> None:
         """Forget every plan, compiled graph and memory pool; safe to call repeatedly."""
+        self.write_runtime_stats()
+        self._dumps.clear()
         for runtime in self.runtimes:
             runtime.reset()
         self.runtimes.clear()
@@ -216,6 +243,18 @@ def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | Non
     if capture == "emulate":
         return "emulate", torch.device("cpu") if device is None else device
     return "off", None
+
+
+_BACKENDS_WITH_DUMPS: weakref.WeakSet[Backend] = weakref.WeakSet()
+
+
+@atexit.register
+def _write_dumps_at_exit() -> None:
+    for backend in list(_BACKENDS_WITH_DUMPS):
+        try:
+            backend.write_runtime_stats()
+        except OSError as error:  # a dump folder removed meanwhile must not fail the exit
+            log.warning("fxsplit: could not write run-time figures: %s", error)
 
 
 # The per-process object behind backend="fxsplit" (registered by the torch_dynamo_backends entry
