@@ -391,6 +391,18 @@ def test_cli_dump_deepseek_v4(tmp_path, capsys, monkeypatch):
     assert (folder / "report.html").is_file()
 
 
+def test_cli_dump_llama_splitting_op(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    options = json.dumps({"splitting_ops": ["fxsplit::llama_attention"]})
+    argv = ["dump", "fxsplit.models.llama:example", "--options", options, "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert "op:fxsplit::llama_attention" in capsys.readouterr().out
+    [folder] = tmp_path.iterdir()
+    data = json.loads((folder / "plan.json").read_text())
+    eager = [p for p in data["pieces"] if p["kind"] == "eager"]
+    assert eager and all(p["reasons"] == ["op:fxsplit::llama_attention"] for p in eager)
+
+
 def test_cli_diff_deepseek_v4_moves_attn_prep(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     argv = ["diff", "fxsplit.models.deepseek_v4:example", "--runner", "v1", "--runner", "v2"]
@@ -441,18 +453,12 @@ def test_logger_registered_with_torch_logs():
 
 _TRACE_SCRIPT = textwrap.dedent(
     """
-    import torch, fxsplit, fxsplit.trace
+    import torch, fxsplit
     from tests.test_dump import tiny_factory
 
-    backend = fxsplit.Backend(runner="v1", capture="off")
-
-    def traced(gm, example_inputs):
-        fn = backend(gm, example_inputs)
-        fxsplit.trace.emit_plan(backend.compiled[-1])
-        return fn
-
     model, inputs = tiny_factory()
-    torch.compile(model, backend=traced, dynamic=True)(*inputs)
+    backend = fxsplit.Backend(runner="v1", capture="off")
+    torch.compile(model, backend=backend, dynamic=True)(*inputs)
     """
 )
 
@@ -472,7 +478,7 @@ def test_torch_trace_holds_fxsplit_artifacts(tmp_path):
     # TORCH_LOGS=fxsplit: the backend's INFO line per compiled graph
     assert re.search(r"graph_0: \d+ nodes -> 5 pieces \(3 captured, 2 eager\)", result.stderr)
     text = "".join(p.read_text() for p in tmp_path.glob("*.log"))
-    assert '"name": "fxsplit_plan_graph_0"' in text
+    assert text.count('"name": "fxsplit_plan_graph_0"') == 1
     for i in range(5):
         assert f'"name": "fxsplit_graph_0_piece_{i}"' in text
     assert '"name": "fxsplit_graph_0_stitched"' in text

@@ -38,6 +38,7 @@ import torch
 from fxsplit.plan import Piece, SplitPlan
 
 __all__ = [
+    "DOT_TIMEOUT_S",
     "KIND_COLOURS",
     "RUNTIME_COUNTERS",
     "SCHEMA_VERSION",
@@ -220,9 +221,10 @@ def split_graph(split):
     reads; an ``output`` node; one edge per pair of pieces that pass values (and per piece the
     graph output reads), labelled with the number of values, their names in the tooltip.
 
-    Only edges between consecutive pieces constrain the layout (plus invisible ones that keep the
-    execution order): edges that skip pieces and one edge per graph input would make ``dot``'s
-    layout take minutes on graphs of a hundred pieces.
+    The Python binding builds the source only; :func:`write_dump` runs ``dot`` itself, with a
+    timeout (:data:`DOT_TIMEOUT_S`). Only edges between consecutive pieces constrain the layout
+    (plus invisible ones that keep the execution order): edges that skip pieces and one edge per
+    graph input would make ``dot``'s layout take minutes on graphs of a hundred pieces.
     """
     import graphviz
 
@@ -394,6 +396,8 @@ RUNTIME_COUNTERS = ("captures", "replays", "uncaptured_runs", "input_copies", "i
 
 def write_runtime_stats(folder: str | os.PathLike, stats: Mapping) -> None:
     """Write run-time figures into a dump folder and re-render its ``report.html``.
+
+    Each call replaces the folder's ``runtime.json`` (pass totals, not increments).
 
     Args:
         folder: a folder :func:`write_dump` returned.

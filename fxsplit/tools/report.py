@@ -4,7 +4,8 @@ One file, no network and no external assets: inline CSS, the ``split.svg`` pictu
 present, no script. It shows the plan table (piece, kind, ops, regions, reasons; rows coloured by
 kind), each eager piece's reasons, the picture, each piece's code in a collapsible ``<details>``
 with its inputs and outputs (shapes, dtypes), the stitched and Dynamo code, and the run-time
-figures of ``runtime.json`` when :func:`fxsplit.tools.dump.write_runtime_stats` wrote one.
+figures of ``runtime.json`` when :func:`fxsplit.tools.dump.write_runtime_stats` wrote one (a
+counter missing for a capture key shows as 0).
 Everything taken from the dump is escaped with :func:`html.escape`.
 """
 
@@ -163,7 +164,7 @@ def _runtime(folder: Path, plan: dict) -> str:
         kind = kinds.get(piece, "?")
         for key, values in stats[piece].items():
             cells = "".join(
-                f'<td class="num">{escape(str(values.get(c, "")))}</td>' for c in counters
+                f'<td class="num">{escape(str(values.get(c, 0)))}</td>' for c in counters
             )
             rows.append(
                 f'<tr class="{escape(kind)}"><td>{escape(piece)}</td><td class="kind">'
