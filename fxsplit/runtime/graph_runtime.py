@@ -195,14 +195,7 @@ class GraphRuntime:
             self._param_ptrs = ptrs
         elif ptrs != self._param_ptrs:
             self._param_ptrs = ptrs
-            dropped = sum(len(p.entries) for p in self.pieces)
-            for piece in self.pieces:
-                for entry in piece.entries.values():
-                    entry.graph.reset()
-                piece.entries.clear()
-                piece.warmups.clear()
-            self.static_outputs.clear()
-            self.static_ptrs.clear()
+            dropped = self.reset()
             log.info(
                 "fxsplit %s: parameters or buffers moved since capture; dropped %d captured "
                 "graphs, recapturing",
@@ -227,14 +220,19 @@ class GraphRuntime:
         """``{piece: {key: counters}}`` for every captured piece."""
         return {p.name: p.stats.as_dict() for p in self.pieces}
 
-    def reset(self) -> None:
-        """Free every captured graph and static buffer."""
+    def reset(self) -> int:
+        """Free every captured graph and static buffer (keys start over with warmup); returns
+        how many graphs were dropped."""
+        dropped = 0
         for piece in self.pieces:
             for entry in piece.entries.values():
                 entry.graph.reset()
+            dropped += len(piece.entries)
             piece.entries.clear()
+            piece.warmups.clear()
         self.static_outputs.clear()
         self.static_ptrs.clear()
+        return dropped
 
 
 __all__ = ["CaptureSession", "GraphRuntime", "PieceStats"]
