@@ -167,7 +167,20 @@ def materialise(
     output = graph.output_node()
     stitched.output(torch.fx.map_arg(output.args[0], env.__getitem__), output.type)
     stitched._codegen = copy.deepcopy(graph._codegen)
-    return Materialised(GraphModule(attrs, stitched, class_name="FxsplitStitched"), pieces, source)
+    module = GraphModule(attrs, stitched, class_name="FxsplitStitched")
+    for piece in pieces:
+        bind_piece(module, piece)
+    return Materialised(module, pieces, source)
+
+
+def bind_piece(stitched: GraphModule, piece: torch.nn.Module) -> None:
+    """Make ``piece`` the stitched module's ``piece.name`` submodule.
+
+    Also sets it in the instance ``__dict__``: the generated ``self.piece_<i>(...)`` then skips
+    ``nn.Module.__getattr__`` on every call of every step.
+    """
+    stitched.register_module(piece.name, piece)
+    object.__setattr__(stitched, piece.name, piece)
 
 
 def _fetch(gm: GraphModule, target: str) -> object:

@@ -17,7 +17,7 @@ import torch
 
 from fxsplit import counters
 from fxsplit.config import Config
-from fxsplit.passes import Split
+from fxsplit.passes import Split, materialise
 from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece
 from fxsplit.runtime.stats import PieceStats
@@ -136,7 +136,7 @@ class GraphRuntime:
                 specs = binding.classify(part.nodes, inputs, producer)
                 reads = binding.key_reads(specs, inputs)
                 captured = CapturedPiece(module, specs, reads, plan_piece.regions, self)
-                setattr(stitched, module.name, captured)
+                materialise.bind_piece(stitched, captured)
                 pieces.append(captured)
             for name in module.output_names:
                 producer[nodes[name]] = module.name
