@@ -176,14 +176,23 @@ class Backend:
         ``warmup_runs + 1`` times, under one capture session (garbage collected once, collector
         frozen throughout) with a tqdm progress bar.
 
+        The leading dimension of every tensor argument whose size equals the capture size is
+        marked dynamic first (``torch._dynamo.maybe_mark_dynamic``), so all sizes share one graph:
+        otherwise Dynamo would specialise the first graph on the largest size and recompile at
+        the next one, leaving that capture in a graph no later call uses.
+
         Args:
             model: the ``torch.compile``'d model using this backend.
-            inputs_by_size: ``{size: args tuple}``, one entry per capture size.
+            inputs_by_size: ``{size: args tuple}``, one entry per capture size (token count).
         """
         from tqdm import tqdm
 
         sizes = sorted(inputs_by_size, reverse=True)
         runs = max(self.config.warmup_runs, 0) + 1
+        for size in sizes:
+            for arg in inputs_by_size[size]:
+                if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == size:
+                    torch._dynamo.maybe_mark_dynamic(arg, 0)
         with self._session(), torch.no_grad():
             for size in tqdm(sizes, desc="fxsplit capture", unit="size"):
                 for _ in range(runs):

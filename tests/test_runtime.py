@@ -666,8 +666,10 @@ def test_two_backends_share_no_stats():
 def test_backend_capture_captures_every_size_up_front_largest_first(gc_calls):
     net = _net()
     model, backend = _compile(net, dynamic=True, eager_regions=[MID], capture_sizes=[2, 3, 4])
+    first = _x(5, 0)
+    torch._dynamo.maybe_mark_dynamic(first, 0)  # as Backend.capture marks its inputs
     with torch.no_grad():
-        model(_x(5, 0))  # compile; 5 is not a capture size
+        model(first)  # compile (Dynamo collects garbage here); 5 is not a capture size
     order = []
 
     def recording(x):
@@ -686,6 +688,24 @@ def test_backend_capture_captures_every_size_up_front_largest_first(gc_calls):
         x = _x(3, 7)
         assert torch.equal(model(x), net(x))
     assert counters.snapshot()["replays"] == 2 and counters.snapshot()["captures"] == 6
+
+
+def test_backend_capture_then_every_size_replays_without_recompiling(gc_calls):
+    net = _net()
+    model, backend = _compile(net, eager_regions=[MID])  # torch.compile's default dynamic
+    sizes = (8, 4, 2)
+    backend.capture(model, {n: (_x(n, n),) for n in sizes})
+    assert len(backend.plans) == 1
+    before = counters.snapshot()
+    with torch.no_grad():
+        for n in (*sizes, 8):
+            x = _x(n, 100 + n)
+            assert torch.equal(model(x), net(x))
+    after = counters.snapshot()
+    assert after["uncaptured_runs"] == before["uncaptured_runs"]
+    assert after["captures"] == before["captures"]
+    assert after["replays"] - before["replays"] == 4 * len(backend.plans[0].captured)
+    assert len(backend.plans) == 1
 
 
 def test_lazy_capture_step_collects_garbage_once(gc_calls):
