@@ -1,5 +1,6 @@
-"""Decode latency of the DeepSeek-V4 reference model: eager vs fxsplit piecewise capture vs
-``torch.compile(mode="reduce-overhead")`` (Inductor with whole-graph CUDA graphs).
+"""Decode latency of the DeepSeek-V4 model: eager, fxsplit piecewise capture, reduce-overhead.
+
+``torch.compile(mode="reduce-overhead")`` is Inductor with whole-graph CUDA graphs.
 
 Each variant gets its own model copy and a persistent-buffer runner ("v2": the same input
 tensors every step, as an engine feeds a captured model), is warmed up (and captured), then

@@ -11,15 +11,21 @@ from fxsplit.config import Config
 from fxsplit.explain import explain
 from fxsplit.plan import Piece, SplitPlan
 from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER, region
+from fxsplit.runtime.binding import BindingError
+from fxsplit.runtime.captured import VerifyError
+from fxsplit.runtime.emulator import CaptureError
 
 __all__ = [
     "ATTENTION",
     "ATTN_PREP",
     "SPARSE_INDEXER",
     "Backend",
+    "BindingError",
+    "CaptureError",
     "Config",
     "Piece",
     "SplitPlan",
+    "VerifyError",
     "counters",
     "explain",
     "plans",

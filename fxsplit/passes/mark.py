@@ -18,7 +18,7 @@ from torch.fx import Graph, Node
 
 from fxsplit.passes import global_state
 from fxsplit.passes.modules import ModuleMatcher
-from fxsplit.passes.normalise import is_multi_output_getitem, is_size
+from fxsplit.passes.normalise import is_multi_output_getitem
 from fxsplit.passes.ops import OpMatcher, op_name, op_names, unsafe_op
 from fxsplit.regions import node_regions
 from fxsplit.runners import Runner
@@ -138,16 +138,19 @@ def is_host_input(node: Node) -> bool:
     )
 
 
-def _is_trivial(node: Node, value: object) -> bool:
-    if isinstance(value, _HOST_VALUES) or node.target in global_state.STATE_TARGETS:
+def _trivial_target(node: Node) -> bool:
+    """Whether the node's target launches no kernel whatever its values (state switches,
+    allocations, views); decided per target and cached by :func:`mark`."""
+    if node.target in global_state.STATE_TARGETS:
         return True
-    if node.op == "call_function" and node.target is operator.getitem:
-        return not isinstance(value, torch.Tensor)
     names = op_names(node)
     if names is None or not names[0].startswith("aten::"):
         return False
     short = names[0][6:]
     return short in _ALLOCATIONS or short in _VIEWS
+
+
+_SKIPPED = frozenset({"placeholder", "get_attr", "output"})
 
 
 def mark(graph: Graph, policy: Policy) -> Marks:
@@ -157,34 +160,36 @@ def mark(graph: Graph, policy: Policy) -> Marks:
     splitting_ops = policy.splitting_ops or None
     module_regions = policy.module_regions or None
     eager_modules = policy.eager_modules or None
-    unsafe_cache: dict[object, str | None] = {}
-    trivial_cache: dict[object, bool] = {}
+    by_target: dict[object, tuple[str | None, bool]] = {}
     on_accelerator = any(
         isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.device.type != "cpu"
         for n in graph.find_nodes(op="placeholder")
     )
+    getitem = operator.getitem
     for node in graph.nodes:
         op = node.op
-        if op == "placeholder" or op == "get_attr" or op == "output":
+        if op in _SKIPPED:
             continue
-        if op == "call_method" and is_host_input(node):
+        target = node.target
+        if op == "call_method" and target == "item" and is_host_input(node):
             marks.host.append(node)
             continue
         marks.nodes.append(node)
         meta = node.meta
         value = meta.get("example_value")
-        if is_multi_output_getitem(node):
+        if target is getitem and is_multi_output_getitem(node):
             marks.follows[node] = node.args[0]
             marks.trivial.add(node)
             continue
-        if value is not None and is_size(node):
+        if type(value) is torch.Size:
             # A Size copy is bookkeeping placed by normalise: it takes its user's kind and adds
             # no region of its own.
             marks.follows[node] = next(iter(node.users))
             marks.trivial.add(node)
             continue
-        regions = node_regions(meta.get("custom"))
-        reasons = [f"region:{r}" for r in regions if r in eager_regions]
+        custom = meta.get("custom")
+        regions = node_regions(custom) if custom else ()
+        reasons = [f"region:{r}" for r in regions if r in eager_regions] if regions else []
         if module_regions is not None:
             for pattern, name in module_regions.match(node):
                 if name not in regions:
@@ -197,26 +202,28 @@ def mark(graph: Graph, policy: Policy) -> Marks:
             name = splitting_ops.match(node)
             if name is not None:
                 reasons.append(f"op:{name}")
-        key = (op, node.target)
+        key = (op, target)
         try:
-            unsafe = unsafe_cache[key]
-            trivial = trivial_cache[key]
+            unsafe, trivial = by_target[key]
         except KeyError:
-            unsafe = unsafe_cache[key] = unsafe_op(node)
-            trivial = trivial_cache[key] = _is_trivial(node, value)
-        except TypeError:
-            unsafe, trivial = unsafe_op(node), _is_trivial(node, value)
+            unsafe, trivial = by_target[key] = (unsafe_op(node), _trivial_target(node))
+        except TypeError:  # an unhashable target
+            unsafe, trivial = unsafe_op(node), _trivial_target(node)
         if unsafe is None and (
             meta.get("unbacked_bindings") or (on_accelerator and _copies_to_host(node, value))
         ):
-            unsafe = op_name(node) or str(node.target)
+            unsafe = op_name(node) or str(target)
         if unsafe is not None:
             reasons.append(f"unsafe:{unsafe}")
         if regions:
             marks.regions[node] = regions
         if reasons:
             marks.reasons[node] = tuple(sorted(set(reasons)))
-        if trivial or isinstance(value, _HOST_VALUES):
+        if (
+            trivial
+            or isinstance(value, _HOST_VALUES)
+            or (target is getitem and not isinstance(value, torch.Tensor))
+        ):
             marks.trivial.add(node)
     return marks
 

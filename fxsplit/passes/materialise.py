@@ -65,7 +65,7 @@ def _io(parts: list[Part]) -> tuple[list[list[Node]], list[list[Node]]]:
         seen: dict[Node, None] = {}
         produced: list[Node] = []
         for node in part.nodes:
-            for a in node.all_input_nodes:
+            for a in node._input_nodes:  # all_input_nodes without building a list
                 if owner.get(a) != i and a not in seen:
                     seen[a] = None
             for user in node.users:

@@ -1,4 +1,4 @@
-"""The ``fxsplit`` console script."""
+"""fxsplit: split Dynamo graphs for piecewise CUDA/HIP graph capture (demo, dump, diff)."""
 
 from __future__ import annotations
 
