@@ -184,6 +184,11 @@ def _splitting_ops(key: str, value: Any) -> tuple[str, ...]:
 def _capture_sizes(key: str, value: Any) -> tuple[int, ...]:
     if isinstance(value, str) or not isinstance(value, list | tuple):
         raise _type_error(key, value, "a list of positive ints")
+    if not value:
+        raise ValueError(
+            f"fxsplit option {key}=[] would capture nothing; list at least one size, pass None to "
+            "capture every size seen, or capture='off'"
+        )
     seen: set[int] = set()
     for size in value:
         if isinstance(size, bool) or not isinstance(size, int):

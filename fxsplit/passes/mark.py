@@ -45,6 +45,8 @@ _VIEWS = frozenset(
     {
         "view",
         "view_as",
+        "reshape",
+        "flatten",
         "unsqueeze",
         "squeeze",
         "permute",

@@ -15,7 +15,6 @@ import torch
 from fxsplit import counters
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import HOST, INTERNAL, PARAM, RUNNER, BindingError, InputSpec
-from fxsplit.runtime.emulator import CaptureError
 from fxsplit.runtime.graphs import new_graph
 from fxsplit.runtime.stats import PieceStats
 
@@ -114,12 +113,18 @@ class CapturedPiece(torch.nn.Module):
             return self._uncaptured(inputs, key)
         try:
             entry = self._capture(key, inputs)
-        except (CaptureError, RuntimeError) as error:
-            if isinstance(error, BindingError) or runtime.on_capture_error == "raise":
+        except BindingError:
+            raise
+        except Exception as error:
+            # A failed capture leaves nothing behind (see _capture). Running the piece uncaptured
+            # tells a model error (it raises again, unchanged, and capture stays on for the next
+            # input) from an op that cannot be captured (it runs).
+            out = self._uncaptured(inputs, key)
+            if runtime.on_capture_error == "raise":
                 raise
             self.failed = f"{type(error).__name__}: {error}"
             log.warning("fxsplit: %s runs uncaptured from now on: %s", self.name, self.failed)
-            return self._uncaptured(inputs, key)
+            return out
         self.entries[key] = entry
         self.stats.add(entry.counts, "captures")
         for i, static, ptr in entry.mutated:
@@ -165,10 +170,16 @@ class CapturedPiece(torch.nn.Module):
             for static, copy in saved:
                 static.copy_(copy)
             raise
+        callers = {  # storage fxsplit does not own: a persistent runner input, a parameter
+            s.untyped_storage().data_ptr()
+            for s, value in zip(statics, inputs, strict=True)
+            if isinstance(s, torch.Tensor) and s is value
+        }
         for out in _flat(outputs):
             if isinstance(out, torch.Tensor):
                 runtime.static_outputs[id(out)] = out
-                runtime.static_ptrs.add(out.data_ptr())
+                if out.untyped_storage().data_ptr() not in callers:
+                    runtime.static_ptrs.add(out.data_ptr())
         checks, mutated = [], []
         for i, (spec, static) in enumerate(zip(self.specs, statics, strict=True)):
             if not isinstance(static, torch.Tensor) or spec.kind in (PARAM, HOST):

@@ -123,6 +123,25 @@ class GraphRuntime:
         )
         self.pieces = self._install(split, stitched)
         self._forward = stitched.forward
+        self._warn_unreachable_sizes(placeholders)
+
+    def _warn_unreachable_sizes(self, placeholders) -> None:
+        """A graph whose token count is static (``dynamic=False``, or not yet dynamic) can only
+        ever capture that one size."""
+        if self.capture_sizes is None or self._size_index is None:
+            return
+        value = placeholders[self._size_index].meta.get("example_value")
+        if not isinstance(value, torch.Tensor):
+            return
+        size = value.shape[0]
+        if isinstance(size, int) and size not in self.capture_sizes:
+            warnings.warn(
+                f"fxsplit {self.graph_id}: the token count of this graph is fixed at {size} "
+                f"(a static graph), which is not in capture_sizes={sorted(self.capture_sizes)}; "
+                "it never captures. Compile with dynamic=True, or add the size.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _install(self, split: Split, stitched) -> list[CapturedPiece]:
         nodes = {n.name: n for n in split.graph_module.graph.nodes}
