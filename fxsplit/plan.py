@@ -61,6 +61,19 @@ class SplitPlan:
         """The eager pieces."""
         return [p for p in self.pieces if p.kind == "eager"]
 
+    def rows(self, sep: str = ",") -> list[tuple[str, str, str, str, str]]:
+        """One ``(piece, kind, ops, regions, reasons)`` row of text per piece; ``"-"`` for none."""
+        return [
+            (
+                p.name,
+                p.kind,
+                str(p.num_ops),
+                sep.join(sorted(p.regions)) or "-",
+                sep.join(p.reasons) or "-",
+            )
+            for p in self.pieces
+        ]
+
     def format(self) -> str:
         """Deterministic text table of the plan (no timings, no node names)."""
         head = (
@@ -68,17 +81,7 @@ class SplitPlan:
             f"eager_regions={','.join(sorted(self.eager_regions)) or '-'}: "
             f"{len(self.pieces)} pieces, {len(self.captured)} captured, {len(self.eager)} eager"
         )
-        rows = [("piece", "kind", "ops", "regions", "reasons")]
-        for p in self.pieces:
-            rows.append(
-                (
-                    p.name,
-                    p.kind,
-                    str(p.num_ops),
-                    ",".join(sorted(p.regions)) or "-",
-                    ",".join(p.reasons) or "-",
-                )
-            )
+        rows = [("piece", "kind", "ops", "regions", "reasons"), *self.rows()]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         lines = [head]
         for row in rows:

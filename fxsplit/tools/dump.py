@@ -446,13 +446,6 @@ def plan_table(plan: SplitPlan, title: str | None = None):
     table.add_column("ops", justify="right")
     table.add_column("regions")
     table.add_column("reasons")
-    for p in plan.pieces:
-        table.add_row(
-            p.name,
-            p.kind,
-            str(p.num_ops),
-            ", ".join(sorted(p.regions)) or "-",
-            ", ".join(p.reasons) or "-",
-            style="dark_orange" if p.kind == "eager" else None,
-        )
+    for row in plan.rows(sep=", "):
+        table.add_row(*row, style="dark_orange" if row[1] == "eager" else None)
     return table
