@@ -178,8 +178,10 @@ class CapturedPiece(torch.nn.Module):
         for out in _flat(outputs):
             if isinstance(out, torch.Tensor):
                 runtime.static_outputs[id(out)] = out
-                if out.untyped_storage().data_ptr() not in callers:
+                storage = out.untyped_storage().data_ptr()
+                if storage not in callers:
                     runtime.static_ptrs.add(out.data_ptr())
+                    runtime.static_storages.add(storage)
         checks, mutated = [], []
         for i, (spec, static) in enumerate(zip(self.specs, statics, strict=True)):
             if not isinstance(static, torch.Tensor) or spec.kind in (PARAM, HOST):

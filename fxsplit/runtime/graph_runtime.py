@@ -99,7 +99,8 @@ class GraphRuntime:
         self.capture_sizes = frozenset(config.capture_sizes) if config.capture_sizes else None
         self.capture_step = False
         self.static_outputs: dict[int, torch.Tensor] = {}
-        self.static_ptrs: set[int] = set()
+        self.static_ptrs: set[int] = set()  # data pointers of outputs in fxsplit's buffers
+        self.static_storages: set[int] = set()  # and their storages
         self._warned_limit = False
         self._warned_grad = False
         self._logged_sizes: set[int] = set()
@@ -179,7 +180,15 @@ class GraphRuntime:
         finally:
             session.exit()
         if self.clone_outputs:
-            out = tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+            # Only outputs in fxsplit's static buffers are overwritten by the next replay; others
+            # (views of the caller's tensors, eager results) keep eager aliasing.
+            owned = self.static_storages
+            out = tuple(
+                o.clone()
+                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in owned
+                else o
+                for o in out
+            )
         return out
 
     def _may_capture(self, args) -> bool:
@@ -251,6 +260,7 @@ class GraphRuntime:
             piece.warmups.clear()
         self.static_outputs.clear()
         self.static_ptrs.clear()
+        self.static_storages.clear()
         return dropped
 
 

@@ -1,0 +1,19 @@
+"""Shared pytest configuration: hypothesis profiles for tests/test_property.py.
+
+``HYPOTHESIS_PROFILE`` selects one: ``ci`` (default; 200 examples, derandomized so CI is
+deterministic) or ``long`` (3000 random examples, for a soak run):
+``HYPOTHESIS_PROFILE=long python3 -m pytest tests/test_property.py --hypothesis-show-statistics``.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+_COMMON = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+    "print_blob": True,
+}
+settings.register_profile("ci", max_examples=200, derandomize=True, **_COMMON)
+settings.register_profile("long", max_examples=3000, **_COMMON)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

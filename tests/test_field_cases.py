@@ -1,0 +1,525 @@
+"""Field failure cases of piecewise capture, each with the right behaviour asserted.
+
+Each test reproduces a way piecewise CUDA-graph capture is known to go wrong in inference engines
+and checks that fxsplit either gets it right or fails loudly. Capture runs in the CPU emulator
+(``capture="emulate"``), which has CUDA-graph semantics: frozen addresses and host values,
+outputs overwritten by the next replay. Known fxsplit bugs are ``xfail(strict=True)`` with the
+reason.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import operator
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit import counters
+
+MID = "field_mid"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    torch._dynamo.reset()
+    counters.reset()
+    # A capture session collects garbage once (~0.3 s with torch loaded); it changes nothing an
+    # emulated capture computes.
+    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
+    yield
+    torch._dynamo.reset()
+    counters.reset()
+
+
+@torch.library.custom_op("fxsplit_field::fresh", mutates_args=())
+def fresh(x: torch.Tensor) -> torch.Tensor:
+    """An eager splitting op that returns a freshly allocated tensor every call."""
+    return torch.cumsum(x, dim=-1) * 0.5
+
+
+@fresh.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxsplit_field::pair", mutates_args=())
+def pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An eager splitting op with two outputs."""
+    return x.cumsum(-1), x.flip(-1) * 3
+
+
+@pair.register_fake
+def _(x):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _compile(fn, dynamic=None, fullgraph=True, **options):
+    backend = fxsplit.Backend(capture="emulate", **options)
+    return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph), backend
+
+
+def _data(shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _same(expected, got) -> bool:
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    got = got if isinstance(got, tuple) else (got,)
+    return len(expected) == len(got) and all(
+        torch.equal(e, g) if isinstance(e, torch.Tensor) else e == g
+        for e, g in zip(expected, got, strict=True)
+    )
+
+
+def _replays(backend, graph="graph_0") -> int:
+    return sum(c.get("replays", 0) for keys in backend.stats[graph].values() for c in keys.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# An eager split op returning a fresh tensor consumed by the next captured piece
+
+
+def test_fresh_tensor_from_eager_split_op_feeds_captured_piece_across_steps():
+    def f(x):
+        h = x.sin() * 2
+        g = torch.ops.fxsplit_field.fresh(h)  # a new tensor, new address, every step
+        return g * h + g.sum(-1, keepdim=True)
+
+    model, backend = _compile(f, dynamic=True, splitting_ops=["fxsplit_field::fresh"])
+    assert [p.kind for p in backend.plans] == []
+    batches = [3, 3, 3, 3, 5, 5, 5, 3, 5]
+    with torch.no_grad():
+        for step, b in enumerate(batches):
+            x = _data((b, 4), step)
+            assert torch.equal(model(x), f(x)), step
+    assert [p.kind for p in backend.plans[0].pieces] == ["captured", "eager", "captured"]
+    stats = backend.stats["graph_0"]["piece_2"]
+    # every replay of the consuming piece copied the fresh tensor into its static buffer
+    for key, c in stats.items():
+        if key != "uncaptured":
+            assert c.get("replays", 0) == 0 or c["input_copies"] >= c["replays"], (key, c)
+    assert _replays(backend) >= 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamo recompiles after capture because global state changed
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        with fxsplit.region(MID):
+            h = torch.relu(h) + SCALE
+        return self.b(h)
+
+
+SCALE = 1.0  # a global flag Dynamo guards on
+
+
+def test_grad_mode_flip_after_capture_recompiles_and_replays_no_stale_graph():
+    net = Net().requires_grad_(False)
+    model, backend = _compile(net, eager_regions=[MID])
+    xs = [_data((2, 4), i) for i in range(9)]
+    with torch.no_grad():
+        for x in xs[:3]:
+            assert torch.equal(model(x), net(x))
+    assert len(backend.plans) == 1 and _replays(backend, "graph_0") == 2
+    first = counters.snapshot()
+    for x in xs[3:6]:  # grad enabled: Dynamo's grad-mode guard fails, it recompiles
+        assert torch.equal(model(x), net(x))
+    assert [p.graph_id for p in backend.plans] == ["graph_0", "graph_1"]
+    assert counters.snapshot()["graphs"] == first["graphs"] + 1 == 2
+    # graph_0 was not replayed for the grad-enabled calls; graph_1 captured its own pieces
+    assert _replays(backend, "graph_0") == 2 and _replays(backend, "graph_1") == 2
+    with torch.no_grad():  # back: graph_0 replays again, still right
+        for x in xs[6:]:
+            assert torch.equal(model(x), net(x))
+    assert _replays(backend, "graph_0") == 2 + 2 * 3 and len(backend.plans) == 2
+
+
+def test_global_flag_change_after_capture_recompiles_and_replays_no_stale_graph(monkeypatch):
+    net = Net().requires_grad_(False)
+    model, backend = _compile(net, eager_regions=[MID])
+    with torch.no_grad():
+        for step in range(8):
+            monkeypatch.setattr(sys.modules[__name__], "SCALE", 1.0 if step < 4 else 3.0)
+            x = _data((2, 4), step)
+            assert torch.equal(model(x), net(x)), step
+    assert len(backend.plans) == 2
+    assert _replays(backend, "graph_0") == 2 * 2 and _replays(backend, "graph_1") == 2 * 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Two adjacent eager regions with nothing between them
+
+
+@pytest.mark.parametrize("between", ["nothing", "view", "reshape"])
+def test_adjacent_eager_regions_make_no_empty_captured_piece(between):
+    def f(x):
+        h = x * 2
+        with fxsplit.region(fxsplit.ATTN_PREP):
+            a = h.cos()
+        if between == "view":
+            a = a.view(-1, 2).view(-1, 4)
+        elif between == "reshape":
+            a = a.reshape(h.size())
+        with fxsplit.region(fxsplit.SPARSE_INDEXER):
+            a = a.softmax(-1)
+        with fxsplit.region(fxsplit.ATTENTION):
+            a = a + h
+        return a * 3
+
+    model, backend = _compile(f, dynamic=True, runner="v1")
+    with torch.no_grad():
+        for step, b in enumerate([2, 2, 2, 3, 3]):
+            x = _data((b, 4), step)
+            assert torch.equal(model(x), f(x))
+    plan = backend.plans[0]
+    assert [p.kind for p in plan.pieces] == ["captured", "eager", "captured"]
+    assert all(p.num_ops > 0 for p in plan.captured)
+    assert plan.pieces[1].regions == {fxsplit.ATTN_PREP, fxsplit.SPARSE_INDEXER, fxsplit.ATTENTION}
+
+
+# ---------------------------------------------------------------------------------------------
+# A host-side Python branch on per-step metadata inside captured code
+
+TOPK = 4
+
+
+def indexer(scores, seq_len: int):
+    """The sparse indexer's shortcut: a sequence no longer than top-k attends to every token."""
+    if seq_len <= TOPK:
+        sel = scores[:, :seq_len]
+        idx = torch.arange(seq_len).expand(scores.shape[0], seq_len)
+    else:
+        sel, idx = scores[:, :seq_len].topk(TOPK, dim=-1)
+    return (sel * 2).sum(-1) + idx.sum(-1).to(sel.dtype)
+
+
+@pytest.mark.parametrize("dynamic", [None, True, False])
+def test_python_branch_on_per_step_int_never_replays_a_stale_branch(dynamic):
+    """The int is guarded by Dynamo (static) or part of the capture key (SymInt): the branch
+    flips between steps and every step is right."""
+    model, backend = _compile(indexer, dynamic=dynamic)
+    lens = [3, 3, 3, 6, 6, 6, 2, 4, 5, 3, 6, 7, 7, 2, 3]
+    with torch.no_grad():
+        for step, seq_len in enumerate(lens):
+            scores = _data((2, 8), step)
+            assert torch.equal(model(scores, seq_len), indexer(scores, seq_len)), step
+    # one graph per branch at least: the branch is a Dynamo guard, never baked into a replay
+    assert len(backend.plans) >= 2
+    assert counters.snapshot()["replays"] > 0
+
+
+def test_python_branch_inside_an_eager_region_flips_correctly():
+    def f(x, seq_len: int):
+        h = x.sin()
+        with fxsplit.region(fxsplit.SPARSE_INDEXER):
+            h = indexer(h, seq_len)
+        return h * 2
+
+    model, backend = _compile(f, dynamic=True, runner="v1")
+    with torch.no_grad():
+        for step, seq_len in enumerate([3, 3, 3, 6, 6, 6, 4, 5, 2]):
+            x = _data((2, 8), step)
+            assert torch.equal(model(x, seq_len), f(x, seq_len)), step
+    assert all(fxsplit.SPARSE_INDEXER in p.regions for plan in backend.plans for p in plan.eager)
+
+
+def test_branch_on_a_tensor_value_graph_breaks_and_stays_correct():
+    """A branch on device data (``seq_lens.max() <= topk``) cannot be captured: Dynamo breaks the
+    graph there and evaluates the branch in Python every step."""
+
+    def f(x, seq_lens):
+        h = x * 2
+        if seq_lens.max() <= TOPK:  # noqa: SIM108 - the branch on device data is the point
+            h = h + 1
+        else:
+            h = h.topk(2, dim=-1).values.sum(-1, keepdim=True) + h
+        return h.cos()
+
+    model, backend = _compile(f, fullgraph=False)
+    with torch.no_grad():
+        for step in range(10):
+            seq_lens = torch.tensor([2, 3 + 2 * (step % 3)])
+            x = _data((2, 4), step)
+            assert torch.equal(model(x, seq_lens), f(x, seq_lens)), step
+    assert len(backend.plans) >= 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture sizes that are unreachable, duplicated, zero or negative
+
+
+@pytest.mark.parametrize(
+    ("sizes", "error", "match"),
+    [
+        ([4, 4], ValueError, "capture_sizes holds 4 twice"),
+        ([0], ValueError, "capture_sizes holds 0; capture sizes must be positive"),
+        ([8, -2], ValueError, "capture_sizes holds -2; capture sizes must be positive"),
+        ([2.0], TypeError, "capture_sizes holds 2.0; every entry must be an int"),
+        ([True], TypeError, "capture_sizes holds True"),
+        ("8", TypeError, "capture_sizes='8' has type str"),
+        (8, TypeError, "capture_sizes=8 has type int"),
+    ],
+)
+def test_bad_capture_sizes_raise_naming_them(sizes, error, match):
+    with pytest.raises(error, match=match):
+        fxsplit.Backend(capture="emulate", capture_sizes=sizes)
+
+
+def test_size_outside_capture_sizes_is_logged_and_runs_uncaptured(caplog):
+    model, _ = _compile(lambda x: x.sin() * 2, dynamic=True, capture_sizes=[2, 8])
+    with caplog.at_level(logging.INFO, logger="fxsplit"), torch.no_grad():
+        for step in range(4):
+            x = _data((4, 3), step)
+            assert torch.equal(model(x), x.sin() * 2)
+    assert "size 4 is not a capture size" in caplog.text
+    assert counters.snapshot()["captures"] == 0
+
+
+def test_capture_sizes_the_graph_can_never_reach_warn_naming_them():
+    model, _ = _compile(lambda x: x.sin() * 2, dynamic=False, capture_sizes=[8, 2])
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for step in range(4):
+            model(_data((4, 3), step))
+    hits = [w for w in caught if "capture_sizes" in str(w.message)]
+    assert len(hits) == 1, [str(w.message) for w in caught]  # once per graph, not per call
+    assert issubclass(hits[0].category, UserWarning)
+    message = str(hits[0].message)
+    assert "fixed at 4" in message and "capture_sizes=[2, 8]" in message
+    assert counters.snapshot()["captures"] == 0
+
+
+def test_dynamic_graph_with_reachable_capture_sizes_does_not_warn():
+    model, _ = _compile(lambda x: x.sin() * 2, dynamic=True, capture_sizes=[2, 8])
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for step in range(3):
+            model(_data((8, 3), step))
+    assert not [w for w in caught if "capture_sizes" in str(w.message)]
+    assert counters.snapshot()["captures"] == 1
+
+
+def test_empty_capture_sizes_is_rejected():
+    with pytest.raises(ValueError, match=r"capture_sizes=\[\] would capture nothing"):
+        fxsplit.Backend(capture="emulate", capture_sizes=[])
+
+
+# ---------------------------------------------------------------------------------------------
+# A torch.Size produced on one side of a boundary and used on the other
+
+
+def _size_inputs(backend) -> list[str]:
+    """Piece inputs or outputs whose traced value is a torch.Size (must be none)."""
+    split = backend.compiled[0]
+    nodes = {n.name: n for n in split.graph_module.graph.nodes}
+    names = [name for p in split.plan.pieces for name in (*p.inputs, *p.outputs) if name in nodes]
+    return [n for n in names if isinstance(nodes[n].meta.get("example_value"), torch.Size)]
+
+
+@pytest.mark.parametrize("made_in", ["eager", "captured"])
+def test_torch_size_crossing_a_boundary(made_in):
+    def f(x, y):
+        if made_in == "eager":
+            with fxsplit.region(MID):
+                s = x.size()
+                h = x.cos()
+            out = y.reshape(s) * 2 + h.new_ones(s) + s[0]
+        else:
+            s = x.size()
+            h = x.cos() * s[0]
+            with fxsplit.region(MID):
+                out = torch.zeros(s) + y.reshape(s) + h.expand(s)
+        return out.sum(-1)
+
+    model, backend = _compile(f, dynamic=True, eager_regions=[MID])
+    with torch.no_grad():
+        for step, b in enumerate([2, 2, 2, 3, 3, 3, 5, 2]):
+            x, y = _data((b, 4), step), _data((b * 4,), 100 + step)
+            assert torch.equal(model(x, y), f(x, y)), step
+    assert len(backend.plans[0].pieces) >= 2
+    assert _size_inputs(backend) == []
+    assert counters.snapshot()["replays"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A splitting op with several outputs whose getitems are used in later pieces
+
+
+@pytest.mark.parametrize("op", ["fxsplit_field::pair", "aten::topk", "aten::split"])
+def test_multi_output_splitting_op_getitems_used_in_later_pieces(op):
+    def f(x):
+        h = x.sin()
+        if op == "fxsplit_field::pair":
+            a, b = torch.ops.fxsplit_field.pair(h)
+        elif op == "aten::topk":
+            a, b = h.topk(4, dim=-1)
+            b = b.float()
+        else:
+            a, b = h.split(2, dim=-1)
+            a, b = a.repeat(1, 2), b.repeat(1, 2)
+        c = a * 2  # captured piece after the op
+        with fxsplit.region(MID):
+            d = c.cos()  # an eager piece in between
+        return d + b  # a later captured piece reads the op's second output
+
+    model, backend = _compile(f, dynamic=True, splitting_ops=[op], eager_regions=[MID])
+    with torch.no_grad():
+        for step, n in enumerate([2, 2, 2, 3, 3, 3, 2]):
+            x = _data((n, 4), step)
+            assert torch.equal(model(x), f(x)), step
+    plan = backend.plans[0]
+    assert [p.kind for p in plan.pieces] == ["captured", "eager", "captured", "eager", "captured"]
+    # every getitem sits in its producer's piece (so no piece reads a later piece: no cycle)
+    split = backend.compiled[0]
+    owner = {name: i for i, p in enumerate(plan.pieces) for name in p.nodes}
+    for node in split.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            assert owner[node.name] == owner[node.args[0].name], node
+    for i, piece in enumerate(plan.pieces):
+        assert all(owner.get(name, -1) < i for name in piece.inputs), piece
+    assert counters.snapshot()["replays"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Two compiled models in one process, then torch._dynamo.reset()
+
+
+def test_two_backends_share_no_graphs_pools_or_stats_and_reset_clears_both():
+    net_a, net_b = Net().requires_grad_(False), Net().requires_grad_(False)
+    with torch.no_grad():
+        net_b.a.weight.mul_(-1)
+    model_a, backend_a = _compile(net_a, eager_regions=[MID])
+    model_b, backend_b = _compile(net_b, eager_regions=[MID])
+    with torch.no_grad():
+        for step in range(4):
+            x = _data((2, 4), step)
+            assert torch.equal(model_a(x), net_a(x))
+        for step in range(6):
+            x = _data((3, 4), step)
+            assert torch.equal(model_b(x), net_b(x))
+    # separate plans, runtimes, captured graphs, static buffers and stats
+    assert (
+        [p.graph_id for p in backend_a.plans]
+        == ["graph_0"]
+        == [p.graph_id for p in backend_b.plans]
+    )
+    rt_a, rt_b = backend_a.runtimes[0], backend_b.runtimes[0]
+    graphs_a = {id(e.graph) for p in rt_a.pieces for e in p.entries.values()}
+    graphs_b = {id(e.graph) for p in rt_b.pieces for e in p.entries.values()}
+    assert graphs_a and graphs_b and not graphs_a & graphs_b
+    assert not {t.data_ptr() for t in rt_a.static_outputs.values()} & {
+        t.data_ptr() for t in rt_b.static_outputs.values()
+    }
+    assert backend_a._pools is not backend_b._pools
+    assert rt_a.capture_session is not rt_b.capture_session
+    assert _replays(backend_a) == 2 * 2 and _replays(backend_b) == 2 * 4
+    assert counters.snapshot()["replays"] == 2 * 2 + 2 * 4  # the process-wide sum
+    assert fxsplit.plans() == []  # the string backend saw nothing
+
+    torch._dynamo.reset()
+    for backend in (backend_a, backend_b):
+        assert backend.plans == [] and backend.runtimes == [] and backend.stats == {}
+        assert backend._pools == {}
+    assert all(not p.entries for rt in (rt_a, rt_b) for p in rt.pieces)
+    # recompiling starts from scratch: graph_0 again, warm-up and capture again, no replay of
+    # anything captured before the reset
+    counters.reset()
+    with torch.no_grad():
+        for step in range(3):
+            x = _data((2, 4), step)
+            assert torch.equal(model_a(x), net_a(x))
+    assert [p.graph_id for p in backend_a.plans] == ["graph_0"] and backend_b.plans == []
+    snap = counters.snapshot()
+    assert snap["graphs"] == 1 and snap["captures"] == 2 and snap["replays"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The output of a replay held by the caller across the next step
+
+
+def test_held_output_is_overwritten_by_the_next_replay():
+    """Documented (README, Output lifetime): a replay writes into the same output buffers."""
+    net = Net().requires_grad_(False)
+    model, _ = _compile(net, eager_regions=[MID])
+    with torch.no_grad():
+        model(_data((2, 4), 0))
+        held = model(_data((2, 4), 1))
+        snapshot = held.clone()
+        new = model(_data((2, 4), 2))
+    assert new.data_ptr() == held.data_ptr()
+    assert not torch.equal(held, snapshot)
+    assert torch.equal(held, net(_data((2, 4), 2)))
+
+
+def test_clone_outputs_keeps_the_held_output():
+    net = Net().requires_grad_(False)
+    model, _ = _compile(net, eager_regions=[MID], clone_outputs=True)
+    with torch.no_grad():
+        model(_data((2, 4), 0))
+        held = model(_data((2, 4), 1))
+        new = model(_data((2, 4), 2))
+    assert counters.snapshot()["replays"] == 2  # two captured pieces, replayed on the 3rd call
+    assert new.data_ptr() != held.data_ptr()
+    assert torch.equal(held, net(_data((2, 4), 1)))
+    assert torch.equal(new, net(_data((2, 4), 2)))
+
+
+def test_held_output_handed_back_as_next_input_is_read_before_it_is_overwritten():
+    """Where fxsplit can see the read (the held output comes back as an input), it copies it
+    first, and verify mode agrees. A read by the caller itself after the next step happens outside
+    fxsplit: no hook on tensor reads exists, so neither verify nor anything else can detect it."""
+
+    def f(x, prev):
+        a = x * 2
+        with fxsplit.region(MID):
+            b = prev.cos()
+        return a + b
+
+    model, _ = _compile(f, eager_regions=[MID], verify=True)
+    prev_e = prev_c = torch.zeros(3)
+    with torch.no_grad():
+        for step in range(6):
+            x = _data((3,), step)
+            prev_e, prev_c = f(x, prev_e), model(x, prev_c)
+            assert torch.equal(prev_c, prev_e), step
+    assert counters.snapshot()["replays"] > 0
+
+
+def test_one_graph_called_twice_per_step_overwrites_the_first_result():
+    """A helper compiled on its own (or a loop body Dynamo compiles as its own frame after a graph
+    break in the loop) called twice in one model step with the same shapes replays one graph
+    twice: the second replay writes into the buffers the first result lives in, while the model
+    still holds it. This is the documented output lifetime (README, "Output lifetime"); fxsplit
+    does not detect it. ``clone_outputs=True`` keeps both results."""
+    w = _data((4, 4), 99)
+
+    def norm(h):
+        return torch.tanh(h @ w)
+
+    for clone in (False, True):
+        torch._dynamo.reset()
+        cnorm, _ = _compile(norm, clone_outputs=clone)
+        with torch.no_grad():
+            for step in range(4):
+                q_in, k_in = _data((2, 4), 2 * step), _data((2, 4), 2 * step + 1)
+                q, k = cnorm(q_in), cnorm(k_in)
+                assert torch.equal(k, norm(k_in))
+                if clone or step == 0:  # step 0: the first call is the uncaptured warm-up
+                    assert torch.equal(q, norm(q_in)), (clone, step)
+                else:  # the second call's replay overwrote q
+                    assert q.data_ptr() == k.data_ptr() and torch.equal(q, norm(k_in)), step
