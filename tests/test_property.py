@@ -21,14 +21,12 @@ Profiles (``tests/conftest.py``, selected by ``HYPOTHESIS_PROFILE``): ``ci`` (de
 examples, derandomized) and ``long`` (3000 random examples):
 ``HYPOTHESIS_PROFILE=long python3 -m pytest tests/test_property.py --hypothesis-show-statistics``.
 Every failure hypothesis found is pinned at the end of this file as a named regression test with
-its program; a failure matching a known, xfailed bug (:func:`known_bug`) is rejected with an event
-naming that test, so the property keeps searching for new bugs.
+its program.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import warnings
 from collections import Counter
@@ -37,13 +35,12 @@ from unittest import mock
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, event, given, reject, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import fxsplit
 from fxsplit.runners import Runner
-from fxsplit.runtime.binding import BindingError
 
 D = 4  # feature width of every register; the batch dim varies
 CUSTOM_REGION = "prop_local"  # a region no built-in runner runs eagerly
@@ -566,40 +563,12 @@ def run_case(case: Case) -> fxsplit.Backend:
 # The property
 
 
-def _passes(case: Case) -> bool:
-    try:
-        run_case(case)
-    except Exception:
-        return False
-    return True
-
-
-def known_bug(error: BaseException, case: Case) -> str | None:
-    """The regression test pinning ``error`` when it is a known, xfailed fxsplit bug: the failure
-    has the bug's signature and goes away with the one option the bug needs changed."""
-    if (
-        isinstance(error, BindingError)
-        and RUNNERS[case.runner] == "v2"
-        and any(ins[0] == "graph_break" for ins in case.program)
-        and _passes(dataclasses.replace(case, options={**case.options, "input_binding": "copy"}))
-    ):
-        return "test_regression_v2_graph_after_a_graph_break_reads_a_fresh_tensor"
-    return None
-
-
 @given(case=cases())
 def test_compiled_equals_eager(case):
     for name in sorted(features(case)):
         event(name)
     event(f"splitting_ops={len(case.splitting_ops)}, eager_modules={len(case.eager_modules)}")
-    try:
-        run_case(case)
-    except Exception as error:
-        bug = known_bug(error, case)
-        if bug is None:
-            raise
-        event(f"known bug, excluded (xfailed in {bug})")
-        reject()
+    run_case(case)
 
 
 def test_feature_frequencies_at_least_ten_percent():
@@ -706,15 +675,6 @@ def test_regression_clone_outputs_breaks_view_of_input_across_graph_break():
     run_case(Case(program, outputs=(2,), options={"clone_outputs": True}))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=BindingError,
-    reason="binding.py classify / captured.py: under a runner with persistent inputs (v2, "
-    "strict binding) every non-parameter input of a graph is a runner input, also the inputs of "
-    "the graph Dynamo resumes after a graph break, which are values the model computed (here "
-    "the output of an all-eager graph: a fresh tensor every step); the third call raises "
-    "BindingError for 'l_regs_2_' although the runner handed the same buffers",
-)
 def test_regression_v2_graph_after_a_graph_break_reads_a_fresh_tensor():
     """Found by hypothesis (shrunk by hand; it first showed with clone_outputs=True, whose clones
     are fresh tensors too). Plain form: ``with region(ATTENTION): h = x.sin()``,

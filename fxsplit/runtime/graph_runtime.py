@@ -36,6 +36,15 @@ class CaptureSession:
     def __init__(self):
         self.depth = 0
         self.frozen = False
+        # Data pointers of the tensors each graph of the backend returned on its last call: a
+        # graph Dynamo resumes after a graph break reads values the model computed, which are
+        # graph inputs but not runner inputs, so strict binding copies them instead of refusing.
+        self.outputs: dict[int, frozenset[int]] = {}
+
+    def produced(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is at the address of a tensor a compiled graph last returned."""
+        ptr = tensor.data_ptr()
+        return any(ptr in ptrs for ptrs in self.outputs.values())
 
     def enter(self) -> None:
         """Open a (possibly nested) session; collects nothing yet."""
@@ -87,7 +96,7 @@ class GraphRuntime:
         self.mode = mode
         self.pool = pool
         self.device = device
-        self.capture_session = session
+        self.capture_session = self.session = session
         runner = config.runner_policy
         self.persistent_inputs = runner.persistent_inputs
         self.binding = config.binding
@@ -179,6 +188,10 @@ class GraphRuntime:
             out = self._forward(*args)
         finally:
             session.exit()
+        if self.binding == "strict":
+            session.outputs[id(self)] = frozenset(
+                o.data_ptr() for o in out if isinstance(o, torch.Tensor)
+            )
         if self.clone_outputs:
             # Only outputs in fxsplit's static buffers are overwritten by the next replay; others
             # (views of the caller's tensors, eager results) keep eager aliasing.
