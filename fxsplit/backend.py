@@ -80,6 +80,7 @@ class Backend:
                 "fxsplit's own settings as options={...}"
             )
         config = Config.from_options(options, base=self.config) if options else self.config
+        mode, device = _capture_mode(config.capture, example_inputs)  # fail before any work
         with self._lock:
             graph_id = f"graph_{self._count}"
             self._count += 1
@@ -122,7 +123,6 @@ class Backend:
         counters.totals["captured_pieces"] += len(plan.captured)
         counters.totals["eager_pieces"] += len(plan.eager)
         trace.emit_plan(result)
-        mode, device = _capture_mode(config.capture, example_inputs)
         runtime = None
         if mode != "off":
             runtime = GraphRuntime(
