@@ -212,6 +212,7 @@ class Backend:
         for runtime in self.runtimes:
             runtime.reset()
         self.runtimes.clear()
+        self._session.outputs.clear()
         self._pools.clear()
         self.plans.clear()
         self.compiled.clear()
