@@ -101,6 +101,7 @@ class Backend:
                 graph_id=graph_id,
                 runner=runner.name,
                 grad_at_entry=torch.is_grad_enabled(),
+                analyse=mode != "off" or bool(dump_root),
             )
         finally:
             if gc_was_enabled:
@@ -133,6 +134,7 @@ class Backend:
                 self._pool(mode, device),
                 device,
                 self._session,
+                _frame_arguments(),
             )
             self.runtimes.append(runtime)
         if dump_root:
@@ -219,6 +221,19 @@ class Backend:
         self._count = 0
         self._matched.clear()
         self._warned.clear()
+
+
+def _frame_arguments() -> tuple[str, ...] | None:
+    """Argument names, in signature order, of the frame Dynamo is compiling (the backend runs
+    inside Dynamo's translation of it); None outside Dynamo or where its internals differ."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+    except Exception:  # not under Dynamo (a direct backend call), or another torch layout
+        return None
+    count = code.co_argcount + code.co_kwonlyargcount
+    return tuple(code.co_varnames[:count])
 
 
 def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | None]:

@@ -29,8 +29,11 @@ class Config:
         eager_modules: module class names or path globs whose nodes always run eagerly.
         capture: ``"auto"`` (CUDA/HIP graphs when the graph's tensors are on a CUDA device, else
             off), ``"cuda"``, ``"emulate"`` (the CPU capture emulator) or ``"off"``.
-        capture_sizes: token counts (leading dim of the first non-parameter tensor input) to
-            capture; None captures every key seen, up to ``max_captured_keys``.
+        capture_sizes: token counts to capture: the leading dim of the first tensor argument
+            of ``forward``, in its signature's order (or of ``size_input``); None captures
+            every key seen, up to ``max_captured_keys``.
+        size_input: name of the ``forward`` argument whose leading dim ``capture_sizes`` means,
+            for models whose first tensor argument is not the token count.
         max_captured_keys: capture keys captured per graph when ``capture_sizes`` is None.
         warmup_runs: uncaptured runs per capture key before it is captured.
         input_binding: what a runner input whose address changed since capture gets: ``"copy"``,
@@ -50,6 +53,7 @@ class Config:
     eager_modules: tuple[str, ...] = ()
     capture: str = "auto"
     capture_sizes: tuple[int, ...] | None = None
+    size_input: str | None = None
     max_captured_keys: int = 64
     warmup_runs: int = 1
     input_binding: str | None = None
@@ -201,6 +205,14 @@ def _capture_sizes(key: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _identifier(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _type_error(key, value, "an argument name (str)")
+    if not value.isidentifier():
+        raise ValueError(f"fxsplit option {key}={value!r} is not a Python argument name")
+    return value
+
+
 def _dump_dir(key: str, value: Any) -> str:
     if not isinstance(value, str | os.PathLike):
         raise _type_error(key, value, "a folder path")
@@ -215,6 +227,7 @@ _VALIDATORS = {
     "eager_modules": _strings,
     "capture": _choice(CAPTURE_MODES),
     "capture_sizes": _optional(_capture_sizes),
+    "size_input": _optional(_identifier),
     "max_captured_keys": _positive_int,
     "warmup_runs": lambda k, v: _positive_int(k, v, minimum=0),
     "input_binding": _optional(_choice(INPUT_BINDINGS)),

@@ -19,6 +19,10 @@ class Piece:
         nodes: names of its nodes, in graph order.
         inputs: names of the values it reads from placeholders or earlier pieces.
         outputs: names of the values it hands to later pieces or the graph output.
+        writes: names of the inputs whose data it writes (from the aliasing analysis, which
+            runs for captured pieces when capture is on or a dump is written).
+        metadata_writes: names of the inputs whose size or stride it changes in place.
+        aliases: ``"output -> input"`` for each output that is a view of one of its inputs.
     """
 
     name: str
@@ -29,6 +33,9 @@ class Piece:
     nodes: tuple[str, ...] = ()
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    metadata_writes: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ VALID_KEYS = [
     "eager_modules",
     "capture",
     "capture_sizes",
+    "size_input",
     "max_captured_keys",
     "warmup_runs",
     "input_binding",

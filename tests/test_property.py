@@ -47,7 +47,14 @@ CUSTOM_REGION = "prop_local"  # a region no built-in runner runs eagerly
 REGIONS = (fxsplit.ATTN_PREP, fxsplit.SPARSE_INDEXER, fxsplit.ATTENTION, CUSTOM_REGION)
 ALL_EAGER = Runner("prop_all_eager", frozenset(REGIONS), persistent_inputs=False)
 RUNNERS: dict[str, str | Runner] = {"v1": "v1", "v2": "v2", "all_eager": ALL_EAGER}
-SPLITTING_OPS = ("aten::topk", "fxsplit_prop::two", "aten::mm", "aten::sin", "aten::split")
+SPLITTING_OPS = (
+    "aten::topk",
+    "fxsplit_prop::two",
+    "aten::mm",
+    "aten::sin",
+    "aten::split",
+    "fxsplit_prop::scale_",
+)
 MODULE_CLASSES = ("PropMlp", "PropMix")
 
 UNARY = ("relu", "sin", "tanh", "neg", "sigmoid")
@@ -70,6 +77,57 @@ def two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @two.register_fake
 def _(x):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("fxsplit_prop::scale_", mutates_args=["t"])
+def scale_(t: torch.Tensor, src: torch.Tensor) -> None:
+    t.mul_(0.5).add_(src * 0.25)
+
+
+@scale_.register_fake
+def _(t, src):
+    return None
+
+
+# Views of a (B, D) register, each written through with a (B,) value: every form of write a
+# captured piece must be seen to make (the aliasing analysis, not a list, has to find them).
+WRITE_VIEWS = {
+    "swapaxes": lambda t: t.swapaxes(0, 1)[0],
+    "T": lambda t: t.T[1],
+    "mT": lambda t: t.mT[2],
+    "unfold": lambda t: t.unfold(1, 2, 2)[:, 1, 0],
+    "real": lambda t: t.real[:, 3],
+    "as_strided": lambda t: t.as_strided((t.shape[0],), (t.stride(0),), t.stride(1)),
+    "narrow": lambda t: t.narrow(1, 1, 2)[:, 0],
+    "select": lambda t: t.select(1, 3),
+}
+WRITES = ("copy_", "add_", "setitem", "index_put_", "custom_packet", "custom_overload")
+# View chains that keep the (B, D) shape: the result is appended as a register aliasing its base.
+ALIAS_VIEWS = {
+    "tt": lambda t: t.t().t(),
+    "swap2": lambda t: t.swapaxes(0, 1).swapdims(0, 1),
+    "mT2": lambda t: t.mT.mT,
+    "real": lambda t: t.real,
+    "slice": lambda t: t[:, :],
+    "expand_as": lambda t: t.expand_as(t),
+    "view_as": lambda t: t.view_as(t),
+    "unflatten": lambda t: t.unflatten(1, (2, 2)).flatten(1),
+}
+
+
+def _write_through(view: torch.Tensor, src: torch.Tensor, how: str) -> None:
+    if how == "copy_":
+        view.copy_(src)
+    elif how == "add_":
+        view.add_(src)
+    elif how == "setitem":
+        view[:] = src
+    elif how == "index_put_":
+        view.index_put_((torch.arange(view.shape[0]),), src, accumulate=True)
+    elif how == "custom_packet":
+        torch.ops.fxsplit_prop.scale_(view, src)
+    else:
+        scale_(view, src)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +299,11 @@ class Interp(nn.Module):
             regs.append(r + torch.arange(b, dtype=r.dtype).unsqueeze(1) * 0.25 + b % 2)
         elif kind == "module":
             regs.append(self.mods[ins[1]](regs[ins[2] % n]))
+        elif kind == "write_view":
+            t, src = regs[ins[3] % n], regs[ins[4] % n]
+            _write_through(WRITE_VIEWS[ins[1]](t), src[:, 0] * 0.5 + 1, ins[2])
+        elif kind == "alias":
+            regs.append(ALIAS_VIEWS[ins[1]](regs[ins[2] % n]))
         else:
             raise AssertionError(kind)
 
@@ -265,6 +328,7 @@ class Case:
     sizes: tuple[int, int] = (3, 5)
     ints: tuple[int, int] = (2, 3)  # the int argument ``n`` alternates between these
     feedback: bool = False  # y of a step is output 0 of the step before (same batch size)
+    binding: str | None = None  # input_binding; None: the runner's default
     warmup_runs: int = 1
     verify: bool = False
     seed: int = 0
@@ -292,6 +356,14 @@ OPS = st.one_of(
     st.tuples(st.just("module"), st.integers(0, 1), REG),
     st.tuples(st.just("intarg"), REG),
     st.tuples(st.just("const"), REG),
+    st.tuples(
+        st.just("write_view"),
+        st.sampled_from(sorted(WRITE_VIEWS)),
+        st.sampled_from(WRITES),
+        REG,
+        REG,
+    ),
+    st.tuples(st.just("alias"), st.sampled_from(sorted(ALIAS_VIEWS)), REG),
 )
 
 
@@ -348,6 +420,7 @@ def cases(draw):
         verify=draw(st.integers(0, 4)) == 4,
         seed=draw(st.integers(0, 2**16)),
         feedback=draw(st.booleans()),
+        binding=draw(st.sampled_from((None, None, "copy", "strict"))),
         options=draw(
             st.fixed_dictionaries(
                 {},
@@ -384,6 +457,8 @@ FEATURES = (
     "runner=all_eager",
     "capture=off",
     "capture=emulate",
+    "write_through_view",
+    "alias_register",
 )
 
 _OP_FEATURES = {
@@ -404,6 +479,8 @@ _OP_FEATURES = {
     "intarg": "int_argument",
     "graph_break": "graph_break",
     "const": "tensor_constant",
+    "write_view": "write_through_view",
+    "alias": "alias_register",
 }
 _SPLIT_OP_OF = {"topk": "aten::topk", "custom2": "fxsplit_prop::two", "split": "aten::split"}
 
@@ -428,6 +505,8 @@ def _splits_here(ins, case: Case) -> bool:
     if kind == "mm_self" and "aten::mm" in ops:
         return True
     if kind == "split" and ins[1] == "split" and "aten::split" in ops:
+        return True
+    if kind == "write_view" and ins[2].startswith("custom") and "fxsplit_prop::scale_" in ops:
         return True
     if kind in _SPLIT_OP_OF and _SPLIT_OP_OF[kind] in ops and kind != "split":
         return True
@@ -516,12 +595,15 @@ def run_case(case: Case) -> fxsplit.Backend:
         "eager_modules": list(case.eager_modules),
         "warmup_runs": case.warmup_runs,
         "verify": case.verify,
+        "input_binding": case.binding,
         **case.options,
     }
     backend = fxsplit.Backend(**options)
     fullgraph = not any(ins[0] == "graph_break" for ins in case.program)
     compiled = torch.compile(model, backend=backend, dynamic=case.dynamic, fullgraph=fullgraph)
-    persistent = RUNNERS[case.runner] == "v2"  # strict binding: the runner's own buffers
+    # strict binding: the runner hands its own persistent buffers, refilled in place
+    persistent = case.binding == "strict" or (RUNNERS[case.runner] == "v2" and not case.binding)
+    held: list[tuple[torch.Tensor, torch.Tensor]] = []  # caller tensors of earlier steps
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     grad = contextlib.nullcontext if case.outer_grad else torch.no_grad
     gen = torch.Generator().manual_seed(case.seed)
@@ -542,10 +624,19 @@ def run_case(case: Case) -> fxsplit.Backend:
                 xc, yc = x.clone(), (got[0] if fed else y.clone())
             if fed:  # the previous step's output (the compiled side's may be a replay buffer)
                 ye = expected[0]
+            held = [
+                (t, snap)
+                for t, snap in held
+                if t is not xc and not _shares_storage(t, yc)  # a fed-back view may write it
+            ]
             with grad():
                 n = case.ints[step % 2]
                 expected = model(xe, ye, n)
                 got = compiled(xc, yc, n)
+            for t, snap in held:  # never handed in this step: nothing may have written them
+                assert torch.equal(t, snap), (
+                    f"step {step}: a caller tensor of an earlier step changed"
+                )
             assert len(got) == len(expected), step
             for i, (e, g) in enumerate(zip(expected, got, strict=True)):
                 if fed and _shares_storage(g, yc):
@@ -556,6 +647,8 @@ def run_case(case: Case) -> fxsplit.Backend:
             assert torch.equal(xe, xc), f"step {step} (batch {b}): input x differs"
             if not fed:  # a fed-back output may be overwritten by this step's replay (documented)
                 assert torch.equal(ye, yc), f"step {step} (batch {b}): input y differs"
+                held.append((yc, yc.clone()))
+            held.append((xc, xc.clone()))
     return backend
 
 

@@ -458,7 +458,7 @@ def test_view_of_runner_input_mutated_in_captured_piece_copied_back_after_replay
         for i in range(3):
             x, ref = torch.arange(6.0).reshape(3, 2) + i, torch.arange(6.0).reshape(3, 2) + i
             assert torch.equal(model(x), f(ref)) and torch.equal(x, ref), i
-    assert backend.runtimes[0].pieces[0].specs[0].mutated
+    assert backend.runtimes[0].pieces[0].specs[0].written
 
 
 def test_inplace_mutation_of_runner_input_reaches_caller_on_capture_step():

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch.fx import GraphModule
 
-from fxsplit.passes import mark, materialise, normalise, partition
+from fxsplit.passes import aliasing, mark, materialise, normalise, partition
 from fxsplit.plan import Piece, SplitPlan
 
 __all__ = ["Split", "split"]
@@ -25,6 +25,7 @@ class Split:
     marks: mark.Marks
     parts: list[partition.Part]
     materialised: materialise.Materialised
+    aliasing: list[aliasing.PieceAliasing | None]
 
 
 def split(
@@ -34,6 +35,7 @@ def split(
     graph_id: str = "graph_0",
     runner: str = "v1",
     grad_at_entry: bool = True,
+    analyse: bool = False,
 ) -> Split:
     """Split ``gm`` (modified in place by the normalise pass) under ``policy``.
 
@@ -44,6 +46,8 @@ def split(
         graph_id: name of the graph in the plan and in generated code's file name.
         runner: runner name recorded in the plan.
         grad_at_entry: grad mode when the graph is called.
+        analyse: run the aliasing analysis (:mod:`fxsplit.passes.aliasing`) on every captured
+            piece (what capture needs; costs one functionalized fake run of those pieces).
 
     Returns:
         a :class:`Split` with the :class:`~fxsplit.plan.SplitPlan`.
@@ -53,6 +57,7 @@ def split(
     marks = mark.mark(gm.graph, policy)
     parts = partition.partition(marks)
     done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host)
+    facts = _aliasing(gm, parts, done) if analyse else [None] * len(parts)
     pieces = tuple(
         Piece(
             name=module.name,
@@ -63,8 +68,9 @@ def split(
             nodes=tuple(n.name for n in part.nodes),
             inputs=module.input_names,
             outputs=module.output_names,
+            **({} if fact is None else fact.describe(module.input_names, module.output_names)),
         )
-        for part, module in zip(parts, done.pieces, strict=True)
+        for part, module, fact in zip(parts, done.pieces, facts, strict=True)
     )
     plan = SplitPlan(
         graph_id=graph_id,
@@ -74,4 +80,18 @@ def split(
         num_nodes=len(gm.graph.nodes),
         split_seconds=time.perf_counter() - start,
     )
-    return Split(plan, gm, marks, parts, done)
+    return Split(plan, gm, marks, parts, done, facts)
+
+
+def _aliasing(gm: GraphModule, parts, done) -> list[aliasing.PieceAliasing | None]:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return [
+        aliasing.analyse(
+            module.forward,
+            [nodes[name].meta.get("example_value") for name in module.input_names],
+            len(module.output_names),
+        )
+        if part.kind == partition.CAPTURED
+        else None
+        for part, module in zip(parts, done.pieces, strict=True)
+    ]

@@ -1,44 +1,64 @@
-"""Input binding: what each input of a captured piece is, and what a changed address gets.
+"""Input binding: what each input of a captured piece is, and whose memory its static buffer is.
 
-A captured graph reads its inputs at the addresses seen at capture. Each input of a captured
-piece is one of:
+A captured graph reads its inputs at the addresses seen at capture (its *static buffers*). The
+ownership rule (README, "Whose memory fxsplit writes"):
 
-- ``PARAM``: a parameter or buffer (Dynamo's static inputs). Never copied; its address is checked
-  once per step against the capture, and a change recaptures (``load_state_dict(assign=True)``
-  moves weights without any recompile).
-- ``RUNNER``: a graph input the runner hands in each step. A changed address gets the
-  ``input_binding`` option: ``"copy"`` into fxsplit's static buffer, ``"strict"`` raises
-  :class:`BindingError`, ``"trust"`` is not checked at all (unsafe: what engines do in production).
-  With a runner that declares persistent inputs, the caller's tensor itself is the static buffer.
-- ``INTERNAL``: a value produced by an earlier piece. Always bound by fxsplit: copied into the
-  static buffer unless it already lives there (an earlier captured piece's static output, or an
-  eager op that wrote in place into that buffer).
-- ``HOST``: a Python int/float/bool or SymInt. Part of the capture key; a replay freezes it.
+    fxsplit writes into a tensor the caller handed in only where the model itself writes it. A
+    caller's tensor is a static buffer (bound by address, never copied into) only when the caller
+    declared it persistent; every other static buffer is fxsplit's own, and a value at another
+    address is copied into it.
+
+Declared persistent: parameters and buffers, tensors marked with
+``torch._dynamo.mark_static_address`` (both :data:`PARAM`), and runner inputs under
+``input_binding="strict"`` (the default of runners with persistent inputs, v2). Values the caller
+never handed in (outputs of earlier pieces or graphs, values computed eagerly between two compiled
+graphs) are always fxsplit's to copy, never a reason to refuse.
+
+Input kinds (:attr:`InputSpec.kind`), known at split time:
+
+- ``PARAM``: a parameter, buffer or ``mark_static_address`` tensor (Dynamo's static inputs). Never
+  copied; its address is checked once per step and a move recaptures.
+- ``RUNNER``: a tensor the caller hands in each call.
+- ``INTERNAL``: a value the caller never handed in: an earlier piece's output, or a stack value
+  of a graph Dynamo resumed after a graph break (source ``L['___stack<i>']``).
+- ``HOST``: a Python int/float/bool or SymInt: part of the capture key, frozen by a replay.
+
+How a tensor input is bound (:class:`Bind`) is decided at capture from the kind, the
+``input_binding`` option and where the capture-step value came from (:func:`bind`).
 """
 
 from __future__ import annotations
 
-import operator
+import enum
+import re
 from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
 
-from fxsplit.passes.ops import op_names
-
 PARAM, RUNNER, INTERNAL, HOST = "param", "runner", "internal", "host"
 
-_VIEW_METHODS = frozenset(
-    {
-        "view", "view_as", "reshape", "unsqueeze", "squeeze", "permute", "transpose", "t",
-        "expand", "narrow", "select", "flatten", "unflatten", "as_strided", "detach", "movedim",
-        "contiguous", "split", "chunk", "unbind", "diagonal",
-    }
-)  # fmt: skip
+# Dynamo's name for a value on the Python stack at a graph break, handed to the resumed frame.
+_STACK_SOURCE = re.compile(r"^L\['___stack\d+'\]$")
 
 
 class BindingError(RuntimeError):
     """A runner input of a captured piece moved under ``input_binding="strict"``."""
+
+
+class Bind(enum.IntEnum):
+    """How a captured graph's static buffer relates to the value a call hands in."""
+
+    #: a parameter, buffer or ``mark_static_address`` tensor; the graph runtime checks addresses
+    FROZEN = 0
+    #: a host value (part of the capture key)
+    HOST = 1
+    #: fxsplit's own buffer (caller's strides); a value elsewhere is copied in when it changed
+    OWN = 2
+    #: the caller's persistent tensor itself; elsewhere is a :class:`BindingError`
+    ADDRESS = 3
+    #: the caller's capture-step tensor, never checked (``input_binding="trust"``: unsafe)
+    TRUST = 4
 
 
 @dataclass(frozen=True)
@@ -51,64 +71,43 @@ class InputSpec:
             else ``"<piece> output"``.
         kind: ``PARAM``, ``RUNNER``, ``INTERNAL`` or ``HOST``.
         symbolic: a tensor with a symbolic (dynamic) dimension: its shape is part of the key.
-        mutated: the piece writes into it in place.
+        written: the piece writes its data (from :mod:`fxsplit.passes.aliasing`).
     """
 
     name: str
     source: str
     kind: str
     symbolic: bool = False
-    mutated: bool = False
+    written: bool = False
 
 
-def _is_static_input(node: Node) -> bool:
+def is_static_input(node: Node) -> bool:
+    """Whether a placeholder is a parameter, buffer or ``mark_static_address`` tensor."""
     if "_dynamo_static_input_type" in node.meta.get("tensor_dict", {}):
         return True
     example = getattr(node.meta.get("grapharg"), "example", None)
     return isinstance(example, torch.nn.Parameter)
 
 
-def _written(node: Node) -> list[Node]:
-    """Nodes ``node`` writes into in place."""
-    target = node.target
-    if node.op == "call_method":
-        name = target
-        if name.endswith("_") and not name.endswith("__"):
-            return [a for a in node.args[:1] if isinstance(a, Node)]
-        return []
-    if node.op != "call_function":
-        return []
-    if target is operator.setitem:
-        return [node.args[0]] if isinstance(node.args[0], Node) else []
-    written = [v for k, v in node.kwargs.items() if k == "out" and isinstance(v, Node)]
-    if isinstance(target, torch._ops.OpOverload):
-        for arg, value in zip(target._schema.arguments, node.args, strict=False):
-            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, Node):
-                written.append(value)
-        return written
-    names = op_names(node)
-    if names is not None and names[0].endswith("_") and not names[0].endswith("__"):
-        written += [a for a in node.args[:1] if isinstance(a, Node)]
-    return written
+def bind(spec: InputSpec, binding: str, produced: bool) -> Bind:
+    """How to bind a tensor input at capture.
 
-
-def _base(node: Node, inputs: set[Node]) -> Node | None:
-    """Follow views back to a piece input (None when the chain starts inside the piece)."""
-    seen = 0
-    while node not in inputs and seen < 64:
-        seen += 1
-        if (node.op == "call_method" and node.target in _VIEW_METHODS) or (
-            node.op == "call_function" and node.target is operator.getitem
-        ):
-            node = node.args[0]
-        else:
-            names = op_names(node)
-            if names is None or names[0][6:] not in _VIEW_METHODS or not node.args:
-                return None
-            node = node.args[0]
-        if not isinstance(node, Node):
-            return None
-    return node if node in inputs else None
+    Args:
+        spec: the input.
+        binding: the ``input_binding`` option: ``"copy"``, ``"strict"`` or ``"trust"``.
+        produced: the capture-step value lives in memory fxsplit produced (an output of a
+            compiled graph's last call, or one of fxsplit's static buffers), not the caller's.
+    """
+    if spec.kind == PARAM:
+        return Bind.FROZEN
+    if spec.kind == HOST:
+        return Bind.HOST
+    if spec.kind == RUNNER and not produced:
+        if binding == "strict":
+            return Bind.ADDRESS
+        if binding == "trust":
+            return Bind.TRUST
+    return Bind.OWN
 
 
 def key_reads(specs: list[InputSpec], inputs: list[Node]) -> tuple[tuple[int, int | None], ...]:
@@ -139,30 +138,35 @@ def key_reads(specs: list[InputSpec], inputs: list[Node]) -> tuple[tuple[int, in
     return tuple(reads)
 
 
-def classify(nodes: list[Node], inputs: list[Node], producer: dict[Node, str]) -> list[InputSpec]:
+def classify(
+    inputs: list[Node],
+    producer: dict[Node, str],
+    written: frozenset[int] = frozenset(),
+    volatile: frozenset[str] = frozenset(),
+) -> list[InputSpec]:
     """Describe each input of a captured piece.
 
     Args:
-        nodes: the piece's nodes, in order.
         inputs: the piece's input nodes, in call order.
         producer: for values produced by earlier pieces, that piece's name.
+        written: indices of the inputs the piece writes (:attr:`PieceAliasing.written`).
+        volatile: names of static-input placeholders the model rebinds every step (``self.t =
+            self.t + 1``): fxsplit's to copy, like values the caller never handed in.
     """
-    input_set = set(inputs)
-    mutated = set()
-    for node in nodes:
-        for target in _written(node):
-            base = _base(target, input_set)
-            if base is not None:
-                mutated.add(base)
     specs = []
-    for node in inputs:
+    for i, node in enumerate(inputs):
         value = node.meta.get("example_value")
         is_tensor = isinstance(value, torch.Tensor)
         symbolic = is_tensor and any(isinstance(d, torch.SymInt) for d in value.shape)
         if node.op == "placeholder":
             grapharg = node.meta.get("grapharg")
-            source = grapharg.source.name if grapharg is not None else node.target
-            kind = HOST if not is_tensor else PARAM if _is_static_input(node) else RUNNER
+            source = str(grapharg.source.name if grapharg is not None else node.target)
+            if not is_tensor:
+                kind = HOST
+            elif node.name in volatile or _STACK_SOURCE.match(source):
+                kind = INTERNAL
+            else:
+                kind = PARAM if is_static_input(node) else RUNNER
         elif node in producer:
             source = f"{producer[node]} output"
             kind = INTERNAL if is_tensor or value is None else HOST
@@ -172,5 +176,5 @@ def classify(nodes: list[Node], inputs: list[Node], producer: dict[Node, str]) -
         if kind == INTERNAL and value is None:
             # No traced value (a plain torch.fx graph): treat as a tensor and bind at run time.
             symbolic = True
-        specs.append(InputSpec(node.name, str(source), kind, symbolic, node in mutated))
+        specs.append(InputSpec(node.name, source, kind, symbolic, i in written))
     return specs

@@ -1,9 +1,11 @@
 """A captured piece at run time: one graph per capture key, bound inputs, replay.
 
-Hot path per call (:meth:`CapturedPiece.__call__`): build the key, look up its entry, compare
-the data pointers of the runner and internal inputs against the table made at capture, copy or
-refuse as the binding says, replay, copy mutated inputs back. Parameters are not looked at here:
-the graph runtime checks them once per step.
+Hot path per call (:meth:`CapturedPiece.__call__`): build the key, look up its entry, bind the
+inputs (:mod:`fxsplit.runtime.binding`: copy a changed value into fxsplit's own buffer, refuse a
+moved persistent tensor), replay, write back what the piece writes, and rebuild outputs that are
+views of an input over the caller's tensor. Parameters are not looked at here: the graph runtime
+checks them once per step. What the piece writes and aliases is read from its
+:class:`~fxsplit.passes.aliasing.PieceAliasing`, computed once at split time.
 """
 
 from __future__ import annotations
@@ -13,36 +15,68 @@ import logging
 import torch
 
 from fxsplit import counters
+from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
-from fxsplit.runtime.binding import HOST, INTERNAL, PARAM, RUNNER, BindingError, InputSpec
+from fxsplit.runtime.binding import Bind, BindingError, InputSpec
 from fxsplit.runtime.graphs import new_graph
 from fxsplit.runtime.stats import PieceStats
 
 _TOTALS = counters.totals
+_OWN, _ADDRESS = Bind.OWN, Bind.ADDRESS
+_increment_version = torch.autograd.graph.increment_version
 
 log = logging.getLogger("fxsplit")
-
-_STRICT, _COPY = 1, 2
 
 
 class VerifyError(RuntimeError):
     """``verify=True`` found a replay whose result differs from running the piece uncaptured."""
 
 
+class _Refused(Exception):
+    """This call's inputs cannot be captured with their aliasing kept; run it uncaptured."""
+
+
 class _Entry:
-    """One capture key of a piece: its graph, static inputs, the address table and counters."""
+    """One capture key of a piece: its graph, static buffers, binding table and counters.
 
-    __slots__ = ("checks", "counts", "graph", "key", "mutated", "outputs", "ptrs", "statics")
+    ``checks`` holds ``(i, static, data_ptr, bind)`` per input bound OWN or ADDRESS; ``synced[i]``
+    remembers the value last copied into an OWN buffer (weak reference and version counter), so
+    an unchanged caller tensor is not copied again; ``written`` holds ``(i, static, bind)`` per
+    input the piece writes; ``views`` holds ``(j, i, size, stride, offset)`` per output that is a
+    view of OWN input ``i`` (rebuilt over the caller's tensor after each replay); ``groups``
+    lists the input indices to check for shared storage (pieces that write an input).
+    """
 
-    def __init__(self, key, graph, statics, outputs, checks, mutated, counts):
+    __slots__ = (
+        "capture_ptrs",
+        "checks",
+        "counts",
+        "graph",
+        "groups",
+        "key",
+        "outputs",
+        "statics",
+        "synced",
+        "views",
+        "written",
+    )
+
+    def __init__(self, key, graph, statics, outputs, binds, views, counts, capture_ptrs):
         self.key = key
         self.graph = graph
         self.statics = statics
         self.outputs = outputs
-        self.checks = checks  # (index, static, data_ptr, mode) per checked input
-        self.mutated = mutated  # (index, static, data_ptr) per mutated tensor input
-        self.ptrs = tuple(s.data_ptr() if isinstance(s, torch.Tensor) else None for s in statics)
         self.counts = counts
+        self.capture_ptrs = capture_ptrs
+        self.checks = tuple(
+            (i, s, s.data_ptr(), b)
+            for i, (s, b) in enumerate(zip(statics, binds, strict=True))
+            if b in (_OWN, _ADDRESS)
+        )
+        self.synced: list = [None] * len(statics)
+        self.views = views
+        self.written: tuple = ()
+        self.groups: tuple[int, ...] = ()
 
 
 class CapturedPiece(torch.nn.Module):
@@ -52,22 +86,30 @@ class CapturedPiece(torch.nn.Module):
     Args:
         piece: the piece module (its ``forward`` is the uncaptured code).
         specs: one :class:`~fxsplit.runtime.binding.InputSpec` per input.
+        key_reads: what the capture key reads (:func:`fxsplit.runtime.binding.key_reads`).
+        aliasing: what the piece writes and aliases (:mod:`fxsplit.passes.aliasing`).
         regions: region names of the piece (for error messages).
         runtime: the :class:`~fxsplit.runtime.graph_runtime.GraphRuntime` that owns it.
     """
 
-    def __init__(self, piece, specs: list[InputSpec], key_reads, regions, runtime):
+    def __init__(
+        self, piece, specs: list[InputSpec], key_reads, aliasing: PieceAliasing, regions, runtime
+    ):
         super().__init__()
         self.name = piece.name
         self.kind = piece.kind
         self.code = piece.code
         self.run_uncaptured = piece.forward
         self.specs = specs
+        self.aliasing = aliasing
         self.regions = frozenset(regions)
         self.runtime = runtime
         self.entries: dict[tuple, _Entry] = {}
         self.warmups: dict[tuple, int] = {}
-        self.failed: str | None = None
+        self.failed: str | None = _never_captured(self.name, specs, aliasing)
+        if self.failed is not None:
+            log.warning("fxsplit: %s runs uncaptured: %s", self.name, self.failed)
+        self._refusals: set[str] = set()
         self.stats = PieceStats()
         self.key = _key_function(key_reads)
 
@@ -79,28 +121,92 @@ class CapturedPiece(torch.nn.Module):
         entry = self.entries.get(key)
         if entry is None:
             return self._miss(key, inputs)
-        for i, static, ptr, mode in entry.checks:
-            value = inputs[i]
-            if value.data_ptr() != ptr:
-                if mode == _STRICT and not runtime.session.produced(value):
-                    raise self._moved(i, value, ptr)
-                static.copy_(value)
-                self.stats.add(entry.counts, "input_copies")
-                self.stats.add(entry.counts, "input_copy_bytes", value.nbytes)
-                self.stats.copies_by_input[self.specs[i].name] += 1
+        try:
+            self._bind(entry, inputs)
+        except _Refused as why:
+            self._refuse(str(why))
+            return self._uncaptured(inputs, key)
         if runtime.verify:
             return self._verified_replay(entry, inputs)
         entry.graph.replay()
-        for i, static, ptr in entry.mutated:
-            if inputs[i].data_ptr() != ptr:
-                inputs[i].copy_(static)
         entry.counts["replays"] += 1
         _TOTALS["replays"] += 1
-        return entry.outputs
+        return self._results(entry, inputs)
+
+    def _bind(self, entry: _Entry, inputs) -> None:
+        """Bring every OWN static buffer up to date and check every ADDRESS one.
+
+        Raises:
+            BindingError: a persistent (strict) runner input moved.
+            _Refused: the aliasing of this call's inputs cannot be kept by the captured graph.
+        """
+        synced = entry.synced
+        for i, static, ptr, bind in entry.checks:
+            value = inputs[i]
+            if value is static:
+                continue
+            if bind == _ADDRESS:
+                if value.data_ptr() == ptr and value.stride() == static.stride():
+                    continue
+                if self.runtime.session.produced(value):
+                    raise _Refused(
+                        f"input {self.specs[i].name!r} is bound to the caller's persistent "
+                        "tensor, but this call hands it a value fxsplit produced"
+                    )
+                raise self._moved(i, value, ptr)
+            mark = synced[i]
+            if mark is not None and mark[0]() is value and mark[1] == value._version:
+                continue
+            static.copy_(value)
+            synced[i] = self.runtime.session.sync_mark(value)
+            counts = entry.counts
+            counts["input_copies"] += 1
+            counts["input_copy_bytes"] += value.nbytes
+            _TOTALS["input_copies"] += 1
+            _TOTALS["input_copy_bytes"] += value.nbytes
+            self.stats.copies_by_input[self.specs[i].name] += 1
+        if entry.groups:
+            _check_aliasing(self.specs, entry, inputs)
+        statics = entry.statics
+        for _, i, _, _, _ in entry.views:
+            if inputs[i] is not statics[i] and inputs[i].stride() != statics[i].stride():
+                raise _Refused(
+                    f"an output is a view of input {self.specs[i].name!r}, whose strides differ "
+                    "from the capture's, so the view cannot be rebuilt over it"
+                )
+
+    def _results(self, entry: _Entry, inputs):
+        """After a replay: write back what the piece wrote, then rebuild views of inputs."""
+        for i, static, bind in entry.written:
+            value = inputs[i]
+            if bind == _OWN and value is not static:
+                value.copy_(static)
+                entry.synced[i] = self.runtime.session.sync_mark(value)
+            elif not static.is_inference():
+                # A CUDA graph's writes bypass the version counter; keep it truthful.
+                _increment_version(static)
+        if not entry.views:
+            return entry.outputs
+        single = not isinstance(entry.outputs, tuple)
+        outputs = [entry.outputs] if single else list(entry.outputs)
+        for j, i, size, stride, offset in entry.views:
+            value = inputs[i]
+            if value is entry.statics[i]:
+                continue
+            if offset == 0 and size == value.shape and stride == value.stride():
+                outputs[j] = value
+            else:
+                outputs[j] = value.as_strided(size, stride, value.storage_offset() + offset)
+        return outputs[0] if single else tuple(outputs)
 
     def _uncaptured(self, inputs, key):
         self.stats.add(self.stats.key(key), "uncaptured_runs")
         return self.run_uncaptured(*inputs)
+
+    def _refuse(self, why: str) -> None:
+        if why not in self._refusals:
+            self._refusals.add(why)
+            log.info("fxsplit: %s runs uncaptured for this call: %s", self.name, why)
 
     def _miss(self, key, inputs):
         runtime = self.runtime
@@ -115,6 +221,9 @@ class CapturedPiece(torch.nn.Module):
             entry = self._capture(key, inputs)
         except BindingError:
             raise
+        except _Refused as why:
+            self._refuse(str(why))
+            return self._uncaptured(inputs, key)
         except Exception as error:
             # A failed capture leaves nothing behind (see _capture). Running the piece uncaptured
             # tells a model error (it raises again, unchanged, and capture stays on for the next
@@ -127,114 +236,99 @@ class CapturedPiece(torch.nn.Module):
             return out
         self.entries[key] = entry
         self.stats.add(entry.counts, "captures")
-        for i, static, ptr in entry.mutated:
-            if inputs[i].data_ptr() != ptr:
-                inputs[i].copy_(static)
-        return entry.outputs
+        return self._results(entry, inputs)
 
     def _capture(self, key, inputs) -> _Entry:
         """Capture ``key``; the returned entry's outputs hold this call's result.
 
         Raises:
-            CaptureError / RuntimeError: an op illegal under capture, or inputs whose aliasing a
-                captured graph cannot keep (see :meth:`_check_aliasing`). Nothing the piece
-                writes is left changed by a failed capture.
+            _Refused: this call's inputs share storage in a way the static buffers cannot keep.
+            CaptureError / RuntimeError: an op illegal under capture, or outputs that require
+                grad. Nothing the piece writes is left changed by a failed capture.
         """
         runtime = self.runtime
-        persistent = runtime.persistent_inputs
-        self._check_aliasing(inputs)
-        statics = []
+        session = runtime.session
+        binds, statics = [], []
         for spec, value in zip(self.specs, inputs, strict=True):
-            if (
-                not isinstance(value, torch.Tensor)
-                or spec.kind in (PARAM, HOST)
-                or (spec.kind == RUNNER and persistent)
-                or (spec.kind == INTERNAL and id(value) in runtime.static_outputs)
-            ):
+            if not isinstance(value, torch.Tensor):
+                binds.append(Bind.HOST)
                 statics.append(value)
+                continue
+            if spec.kind == binding.INTERNAL and id(value) in runtime.static_outputs:
+                bind = _OWN  # an earlier captured piece's output buffer: fxsplit's already
             else:
-                statics.append(value.clone())
+                bind = binding.bind(spec, runtime.binding, session.produced(value))
+            binds.append(bind)
+            statics.append(
+                _own_buffer(value)
+                if bind == _OWN and id(value) not in runtime.static_outputs
+                else value
+            )
+        written = [i for i, spec in enumerate(self.specs) if spec.written]
+        groups = _alias_groups(statics, inputs, binds, written)
+        if groups:
+            _check_aliasing(self.specs, None, inputs, groups, binds)
         graph = new_graph(runtime.mode, runtime.pool, runtime.device)
         # The emulator runs the piece while recording; if the capture then fails, the fallback
         # run must find what the piece writes as it was (a CUDA capture executes nothing).
         saved = (
-            [(s, s.clone()) for s, spec in zip(statics, self.specs, strict=True)
-             if spec.mutated and isinstance(s, torch.Tensor)]
-            if runtime.mode == "emulate" else []
-        )  # fmt: skip
+            [
+                (statics[i], statics[i].clone())
+                for i in written
+                if isinstance(statics[i], torch.Tensor)
+            ]
+            if runtime.mode == "emulate"
+            else []
+        )
         runtime.capture_session.collect_once()
         try:
             outputs = graph.capture(self.run_uncaptured, *statics)
-            self._check_outputs(outputs, statics)
+            _refuse_grad(outputs)
         except BaseException:
             for static, copy in saved:
                 static.copy_(copy)
+            graph.reset()
             raise
-        callers = {  # storage fxsplit does not own: a persistent runner input, a parameter
-            s.untyped_storage().data_ptr()
-            for s, value in zip(statics, inputs, strict=True)
-            if isinstance(s, torch.Tensor) and s is value
-        }
-        for out in _flat(outputs):
+        views = self._views(outputs, statics, binds, inputs)
+        for out, base in zip(_flat(outputs), self.aliasing.output_bases, strict=False):
             if isinstance(out, torch.Tensor):
                 runtime.static_outputs[id(out)] = out
-                storage = out.untyped_storage().data_ptr()
-                if storage not in callers:
-                    runtime.static_ptrs.add(out.data_ptr())
-                    runtime.static_storages.add(storage)
-        checks, mutated = [], []
-        for i, (spec, static) in enumerate(zip(self.specs, statics, strict=True)):
-            if not isinstance(static, torch.Tensor) or spec.kind in (PARAM, HOST):
+                if base is None or binds[base] == _OWN:
+                    session.own(runtime, out)
+        capture_ptrs = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else None for v in inputs)
+        entry = _Entry(
+            key, graph, statics, outputs, binds, views, self.stats.key(key), capture_ptrs
+        )
+        entry.written = tuple(
+            (i, statics[i], binds[i]) for i in written if isinstance(statics[i], torch.Tensor)
+        )
+        entry.groups = groups
+        for i, bind in enumerate(binds):
+            if bind == _OWN and inputs[i] is not statics[i]:
+                entry.synced[i] = session.sync_mark(inputs[i])
+        return entry
+
+    def _views(self, outputs, statics, binds, inputs) -> tuple:
+        """``(j, i, size, stride, offset)`` per output that is a view of an OWN input ``i``:
+        eagerly it aliases the caller's tensor, so each replay rebuilds it over that tensor.
+
+        Raises:
+            RuntimeError: the input's own buffer could not keep the caller's strides (an input
+                with overlapping memory, e.g. expanded), so the view cannot be mapped back.
+        """
+        views = []
+        for j, (out, i) in enumerate(zip(_flat(outputs), self.aliasing.output_bases, strict=False)):
+            if i is None or binds[i] != _OWN or not isinstance(out, torch.Tensor):
                 continue
-            ptr = static.data_ptr()
-            if spec.mutated:
-                mutated.append((i, static, ptr))
-            if spec.kind == RUNNER:
-                if runtime.binding == "trust":
-                    continue
-                mode = _STRICT if runtime.binding == "strict" else _COPY
-            else:
-                mode = _COPY
-            checks.append((i, static, ptr, mode))
-        counts = self.stats.key(key)
-        return _Entry(key, graph, statics, outputs, tuple(checks), tuple(mutated), counts)
-
-    def _check_aliasing(self, inputs) -> None:
-        """Refuse to capture when two tensor inputs share storage and the piece writes one: the
-        static buffers are separate copies, so the write would not reach the other."""
-        if not any(spec.mutated for spec in self.specs):
-            return
-        storages: dict[int, str] = {}
-        for spec, value in zip(self.specs, inputs, strict=True):
-            if isinstance(value, torch.Tensor) and spec.kind in (RUNNER, INTERNAL):
-                ptr = value.untyped_storage().data_ptr()
-                if ptr in storages:
-                    raise RuntimeError(
-                        f"{self.name}: inputs {storages[ptr]!r} and {spec.name!r} share storage "
-                        "and the piece writes into its inputs; captured static buffers cannot "
-                        "keep that aliasing"
-                    )
-                storages[ptr] = spec.name
-
-    def _check_outputs(self, outputs, statics) -> None:
-        """Refuse outputs that are views of a copied runner input: eagerly they alias the
-        caller's tensor, replayed they would alias fxsplit's static copy."""
-        copied = {
-            s.untyped_storage().data_ptr(): spec.name
-            for s, spec in zip(statics, self.specs, strict=True)
-            if isinstance(s, torch.Tensor) and spec.kind == RUNNER
-        }
-        if self.runtime.persistent_inputs:
-            return
-        for out in _flat(outputs):
-            if isinstance(out, torch.Tensor):
-                name = copied.get(out.untyped_storage().data_ptr())
-                if name is not None:
-                    raise RuntimeError(
-                        f"{self.name}: an output is a view of runner input {name!r}; a replay "
-                        "would return a view of fxsplit's static copy instead of the caller's "
-                        "tensor"
-                    )
+            static = statics[i]
+            if static.stride() != inputs[i].stride():
+                raise RuntimeError(
+                    f"{self.name}: an output is a view of input {self.specs[i].name!r}, whose "
+                    "memory overlaps itself; fxsplit's copy cannot keep that view"
+                )
+            offset = out.storage_offset() - static.storage_offset()
+            views.append((j, i, tuple(out.shape), tuple(out.stride()), offset))
+        return tuple(views)
 
     def _moved(self, i: int, value, ptr: int) -> BindingError:
         spec = self.specs[i]
@@ -247,27 +341,22 @@ class CapturedPiece(torch.nn.Module):
 
     def _verified_replay(self, entry: _Entry, inputs):
         snapshots = list(inputs)
-        written = [i for i, spec in enumerate(self.specs) if spec.mutated]
+        written = [i for i, spec in enumerate(self.specs) if spec.written]
         for i in written:
             snapshots[i] = inputs[i].clone()
         moved = [
             self.specs[i].name
-            for i, ptr in enumerate(entry.ptrs)
-            if ptr is not None
-            and isinstance(inputs[i], torch.Tensor)
-            and inputs[i].data_ptr() != ptr
+            for i, ptr in enumerate(entry.capture_ptrs)
+            if ptr is not None and inputs[i].data_ptr() != ptr
         ]
         entry.graph.replay()
-        for i, static, ptr in entry.mutated:
-            if inputs[i].data_ptr() != ptr:
-                inputs[i].copy_(static)
         self.stats.add(entry.counts, "replays")
+        got = self._results(entry, inputs)
         expected = self.run_uncaptured(*snapshots)
-        got = entry.outputs
         pairs = list(zip(_flat(got), _flat(expected), strict=True))
         pairs += [(inputs[i], snapshots[i]) for i in written]
         for a, b in pairs:
-            if isinstance(a, torch.Tensor) and not torch.equal(a, b):
+            if isinstance(a, torch.Tensor) and not _same(a, b):
                 raise VerifyError(
                     f"verify: replay of {self.name} (regions: "
                     f"{', '.join(sorted(self.regions)) or '-'}) differs from running it "
@@ -277,15 +366,133 @@ class CapturedPiece(torch.nn.Module):
         return got
 
 
+def _never_captured(name: str, specs: list[InputSpec], aliasing: PieceAliasing) -> str | None:
+    """Why a piece can never be captured, from its aliasing facts; None when it can."""
+    if aliasing.error is not None:
+        return aliasing.error
+    if aliasing.metadata_written:
+        names = ", ".join(repr(specs[i].name) for i in sorted(aliasing.metadata_written))
+        return (
+            f"it changes the size or stride of input(s) {names} in place; a replay would not "
+            "(CUDA graphs replay kernels, not metadata)"
+        )
+    return None
+
+
+def _own_buffer(value: torch.Tensor) -> torch.Tensor:
+    """fxsplit's static buffer for ``value``: same size, strides and address alignment (so
+    vectorised reductions split the data the same way and replay bit-exactly, and views map
+    back), contiguous where the strides overlap themselves; requires grad where ``value`` does.
+    """
+    if _overlaps(value):
+        return (
+            value.detach()
+            .clone(memory_format=torch.contiguous_format)
+            .requires_grad_(value.requires_grad)
+        )
+    # Same start offset modulo 512 elements as the caller's tensor: allocations are aligned to
+    # at most 512 bytes, so the data pointer lands on the same alignment.
+    pad = value.storage_offset() % 512
+    extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride(), strict=True))
+    flat = torch.empty(
+        pad + (extent if value.numel() else 0), dtype=value.dtype, device=value.device
+    )
+    with torch.no_grad():
+        buffer = flat.as_strided(value.size(), value.stride(), pad).copy_(value)
+    # A piece that enables grad must see what eager sees, so its capture can refuse.
+    return buffer.requires_grad_(value.requires_grad)
+
+
+def _overlaps(value: torch.Tensor) -> bool:
+    """Whether two elements of ``value`` share memory (a zero or otherwise overlapping stride)."""
+    reach = 0  # furthest element offset reachable with the dims seen so far
+    for stride, size in sorted(
+        (s, n) for n, s in zip(value.shape, value.stride(), strict=True) if n > 1
+    ):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def _alias_groups(statics, inputs, binds, written) -> tuple[int, ...]:
+    """Indices of the tensor inputs to check for shared storage on each call: only pieces that
+    write an input need it, and only where some input is copied into fxsplit's own buffer."""
+    if not written or _OWN not in binds:
+        return ()
+    return tuple(i for i, s in enumerate(statics) if isinstance(s, torch.Tensor))
+
+
+def _check_aliasing(specs, entry, inputs, groups=None, binds=None) -> None:
+    """Refuse a call whose inputs share storage in a group that holds an input the piece writes
+    and an input bound to fxsplit's own copy: the copy would not see the write (or the write
+    would not reach the caller's other view).
+
+    Raises:
+        _Refused: naming the two inputs.
+    """
+    if entry is not None:
+        groups = entry.groups
+        binds = {i: b for i, _, _, b in entry.checks}
+        written = {i for i, _, _ in entry.written}
+    else:
+        binds = dict(enumerate(binds))
+        written = {i for i, spec in enumerate(specs) if spec.written}
+    seen: dict[int, int] = {}
+    for i in groups:
+        value = inputs[i]
+        if value.numel() == 0:
+            continue  # empty tensors all report storage address 0
+        ptr = value.untyped_storage().data_ptr()
+        j = seen.setdefault(ptr, i)
+        if j == i:
+            continue
+        if (i in written or j in written) and _OWN in (binds.get(i), binds.get(j)):
+            raise _Refused(
+                f"inputs {specs[j].name!r} and {specs[i].name!r} share storage and the piece "
+                "writes one of them; separate static buffers would not keep that aliasing"
+            )
+
+
+def _refuse_grad(outputs) -> None:
+    for out in _flat(outputs):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            raise RuntimeError(
+                "an output requires grad (grad is enabled inside the piece); a replay would "
+                "return it with the capture step's grad_fn"
+            )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equal, NaN equal to NaN (verify compares a replay with a plain run)."""
+    if torch.equal(a, b):
+        return True
+    if a.shape != b.shape or not (a.is_floating_point() or a.is_complex()):
+        return False
+    nan_a, nan_b = a.isnan(), b.isnan()
+    return torch.equal(nan_a, nan_b) and torch.equal(
+        a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
+    )
+
+
+def _exact(value):
+    """A capture-key part that tells apart what ``==`` does not: ``0.0`` / ``-0.0`` (by bits),
+    ``True`` / ``1`` (by type); NaN matches NaN."""
+    if value.__class__ is float:
+        return value.hex()
+    return (value.__class__, value)
+
+
 def _key_function(reads):
-    """``inputs -> capture key``: every host value the piece reads and each distinct dynamic size
-    of its tensor inputs (see :func:`fxsplit.runtime.binding.key_reads`). Generated as one tuple
-    expression because this runs on every call."""
+    """``inputs -> capture key``: every host value the piece reads (exactly, see
+    :func:`_exact`) and each distinct dynamic size of its tensor inputs (see
+    :func:`fxsplit.runtime.binding.key_reads`). Generated as one tuple expression because this
+    runs on every call."""
     parts = [
-        f"a[{i}]" if d is None else f"a[{i}].shape" if d < 0 else f"a[{i}].shape[{d}]"
+        f"_exact(a[{i}])" if d is None else f"a[{i}].shape" if d < 0 else f"a[{i}].shape[{d}]"
         for i, d in reads
     ]
-    return eval(f"lambda a: ({''.join(p + ', ' for p in parts)})")
+    return eval(f"lambda a: ({''.join(p + ', ' for p in parts)})", {"_exact": _exact})
 
 
 def _flat(value):

@@ -12,12 +12,14 @@ import contextlib
 import gc
 import logging
 import warnings
+import weakref
 
 import torch
 
 from fxsplit import counters
 from fxsplit.config import Config
 from fxsplit.passes import Split, materialise
+from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece
 from fxsplit.runtime.stats import PieceStats
@@ -26,25 +28,52 @@ log = logging.getLogger("fxsplit")
 
 
 class CaptureSession:
-    """Collects garbage at most once per capture session and keeps the collector frozen in it.
+    """What a backend's compiled graphs share at run time: garbage collection once per capture
+    session, and which memory fxsplit produced.
 
     Capturing many pieces (or many sizes) with a ``gc.collect()`` per piece made capture take
     seconds per size. A session is a step of a compiled graph, or ``Backend.capture`` around many
     steps; the first capture inside it collects and freezes, the session's end unfreezes.
+
+    Memory fxsplit produced is never the caller's (see :mod:`fxsplit.runtime.binding`): the
+    storages of every graph's outputs on its last call (a graph Dynamo resumes after a graph
+    break reads them as inputs) and of every static output buffer (replays overwrite them
+    without touching their version counters).
     """
 
     def __init__(self):
         self.depth = 0
         self.frozen = False
-        # Data pointers of the tensors each graph of the backend returned on its last call: a
-        # graph Dynamo resumes after a graph break reads values the model computed, which are
-        # graph inputs but not runner inputs, so strict binding copies them instead of refusing.
-        self.outputs: dict[int, frozenset[int]] = {}
+        self.outputs: dict[int, frozenset[int]] = {}  # graph -> storages of its last outputs
+        self.storages: dict[int, set[int]] = {}  # graph -> storages of its static outputs
 
     def produced(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is at the address of a tensor a compiled graph last returned."""
-        ptr = tensor.data_ptr()
-        return any(ptr in ptrs for ptrs in self.outputs.values())
+        """Whether ``tensor`` lives in memory fxsplit produced (see the class docstring)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return any(ptr in s for s in self.outputs.values()) or any(
+            ptr in s for s in self.storages.values()
+        )
+
+    def own(self, graph: object, tensor: torch.Tensor) -> None:
+        """Record ``tensor`` (a static output of ``graph``) as fxsplit's memory."""
+        self.storages.setdefault(id(graph), set()).add(tensor.untyped_storage().data_ptr())
+
+    def owned(self, graph: object) -> set[int]:
+        """Storages of ``graph``'s static outputs (a live set)."""
+        return self.storages.setdefault(id(graph), set())
+
+    def forget(self, graph: object) -> None:
+        """Drop what is recorded for ``graph`` (its captured graphs were freed)."""
+        self.storages.pop(id(graph), None)
+        self.outputs.pop(id(graph), None)
+
+    def sync_mark(self, tensor: torch.Tensor) -> tuple | None:
+        """``(weak reference, version)`` of a value just copied into a static buffer, telling
+        the next call whether it changed since; None where the version counter cannot tell
+        (inference tensors have none; fxsplit's own buffers change by replay, unseen)."""
+        if tensor.is_inference() or self.produced(tensor):
+            return None
+        return weakref.ref(tensor), tensor._version
 
     def enter(self) -> None:
         """Open a (possibly nested) session; collects nothing yet."""
@@ -78,27 +107,38 @@ class GraphRuntime:
     """The callable Dynamo runs for one graph when capture is ``"cuda"`` or ``"emulate"``.
 
     Args:
-        split: the split graph (its stitched module's captured pieces are replaced here).
+        split: the split graph, with its pieces' aliasing facts (its stitched module's captured
+            pieces are replaced here).
         config: the options it was compiled with.
         mode: ``"cuda"`` or ``"emulate"``.
-        example_inputs: Dynamo's example inputs (locate the token-count input and parameters).
+        example_inputs: Dynamo's example inputs (locate the size input and parameters).
         pool: memory pool handle shared by the backend's graphs on this device (CUDA only).
         device: the device of the graph's tensors.
         session: the backend's :class:`CaptureSession`.
+        arg_names: the compiled frame's argument names in signature order (where the size
+            input is looked up); None when unknown.
 
     Attributes:
         pieces: the :class:`CapturedPiece` objects, in order.
     """
 
-    def __init__(self, split: Split, config: Config, mode, example_inputs, pool, device, session):
+    def __init__(
+        self,
+        split: Split,
+        config: Config,
+        mode,
+        example_inputs,
+        pool,
+        device,
+        session,
+        arg_names: tuple[str, ...] | None = None,
+    ):
         self.split = split
         self.graph_id = split.plan.graph_id
         self.mode = mode
         self.pool = pool
         self.device = device
         self.capture_session = self.session = session
-        runner = config.runner_policy
-        self.persistent_inputs = runner.persistent_inputs
         self.binding = config.binding
         self.warmup_runs = config.warmup_runs
         self.max_captured_keys = config.max_captured_keys
@@ -108,115 +148,119 @@ class GraphRuntime:
         self.capture_sizes = frozenset(config.capture_sizes) if config.capture_sizes else None
         self.capture_step = False
         self.static_outputs: dict[int, torch.Tensor] = {}
-        self.static_ptrs: set[int] = set()  # data pointers of outputs in fxsplit's buffers
-        self.static_storages: set[int] = set()  # and their storages
-        self._warned_limit = False
-        self._warned_grad = False
+        self._warned: set[str] = set()
         self._logged_sizes: set[int] = set()
+        self._steps = 0
+        self._recaptures: list[int] = []  # steps at which a parameter move dropped the graphs
+        self._moves: dict[int, int] = {}  # placeholder index -> steps it moved on
 
         stitched = split.materialised.stitched
-        placeholders = list(stitched.graph.find_nodes(op="placeholder"))
-        self._params = [i for i, n in enumerate(placeholders) if binding._is_static_input(n)]
+        self._placeholders = list(stitched.graph.find_nodes(op="placeholder"))
+        self._volatile: set[str] = set()
+        self._params = [i for i, n in enumerate(self._placeholders) if binding.is_static_input(n)]
         self._runner_inputs = [
             i
             for i, value in enumerate(example_inputs)
             if isinstance(value, torch.Tensor) and i not in self._params
         ]
         self._param_ptrs: tuple | None = None
-        self._size_index = next(
-            (
-                i
-                for i, (node, value) in enumerate(zip(placeholders, example_inputs, strict=False))
-                if isinstance(value, torch.Tensor) and i not in self._params and value.dim() > 0
-            ),
-            None,
+        self._size_index = _size_input(
+            self._placeholders, example_inputs, self._params, arg_names, config.size_input
         )
-        self.pieces = self._install(split, stitched)
+        self._stitched = stitched
+        self.pieces = self._install()
         self._forward = stitched.forward
-        self._warn_unreachable_sizes(placeholders)
+        self._warn_unreachable_sizes()
 
-    def _warn_unreachable_sizes(self, placeholders) -> None:
-        """A graph whose token count is static (``dynamic=False``, or not yet dynamic) can only
-        ever capture that one size."""
-        if self.capture_sizes is None or self._size_index is None:
+    def _warn_unreachable_sizes(self) -> None:
+        """A graph whose size input is static (``dynamic=False``, or not yet dynamic) can only
+        ever capture that one size; one with no size input never captures under
+        ``capture_sizes``."""
+        if self.capture_sizes is None:
             return
-        value = placeholders[self._size_index].meta.get("example_value")
+        if self._size_index is None:
+            self._warn_once(
+                "no-size",
+                f"fxsplit {self.graph_id}: capture_sizes={sorted(self.capture_sizes)} is set but "
+                "the graph has no tensor argument to read the size from; it never captures",
+            )
+            return
+        value = self._placeholders[self._size_index].meta.get("example_value")
         if not isinstance(value, torch.Tensor):
             return
         size = value.shape[0]
         if isinstance(size, int) and size not in self.capture_sizes:
-            warnings.warn(
-                f"fxsplit {self.graph_id}: the token count of this graph is fixed at {size} "
-                f"(a static graph), which is not in capture_sizes={sorted(self.capture_sizes)}; "
-                "it never captures. Compile with dynamic=True, or add the size.",
-                UserWarning,
-                stacklevel=4,
+            self._warn_once(
+                "static-size",
+                f"fxsplit {self.graph_id}: the size input of this graph "
+                f"({self._placeholders[self._size_index].name}) is fixed at {size} (a static "
+                f"graph), which is not in capture_sizes={sorted(self.capture_sizes)}; it never "
+                "captures. Compile with dynamic=True, or add the size.",
             )
 
-    def _install(self, split: Split, stitched) -> list[CapturedPiece]:
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def _install(self) -> list[CapturedPiece]:
+        split = self.split
         nodes = {n.name: n for n in split.graph_module.graph.nodes}
         producer = {}
         pieces = []
-        for part, module, plan_piece in zip(
-            split.parts, split.materialised.pieces, split.plan.pieces, strict=True
+        volatile = frozenset(self._volatile)
+        for part, module, plan_piece, facts in zip(
+            split.parts, split.materialised.pieces, split.plan.pieces, split.aliasing, strict=True
         ):
             if part.kind == "captured":
+                if facts is None:
+                    facts = PieceAliasing(error="the split ran without the aliasing analysis")
                 inputs = [nodes[name] for name in module.input_names]
-                specs = binding.classify(part.nodes, inputs, producer)
+                specs = binding.classify(inputs, producer, facts.written, volatile)
                 reads = binding.key_reads(specs, inputs)
-                captured = CapturedPiece(module, specs, reads, plan_piece.regions, self)
-                materialise.bind_piece(stitched, captured)
+                captured = CapturedPiece(module, specs, reads, facts, plan_piece.regions, self)
+                materialise.bind_piece(self._stitched, captured)
                 pieces.append(captured)
             for name in module.output_names:
                 producer[nodes[name]] = module.name
         return pieces
 
     def __call__(self, *args):
+        self._steps += 1
         self.capture_step = self._may_capture(args)
         if self.capture_step:
             if self._params:
                 self._check_params(args)
-            static_ptrs = self.static_ptrs
-            for i in self._runner_inputs:
-                if args[i].data_ptr() in static_ptrs:
-                    # A previous output handed back in: this step's replays overwrite it before
-                    # it is read, so read it from a private copy.
-                    args = (*args[:i], args[i].clone(), *args[i + 1 :])
+            owned = self.session.owned(self)
+            if owned:
+                for i in self._runner_inputs:
+                    if args[i].untyped_storage().data_ptr() in owned:
+                        # An earlier output (or a view of one) handed back in: this step's
+                        # replays overwrite it before it is read, so read a private copy.
+                        args = (*args[:i], args[i].clone(), *args[i + 1 :])
         session = self.capture_session
         session.enter()
         try:
             out = self._forward(*args)
         finally:
             session.exit()
-        if self.binding == "strict":
-            session.outputs[id(self)] = frozenset(
-                o.data_ptr() for o in out if isinstance(o, torch.Tensor)
-            )
+        session.outputs[id(self)] = frozenset(
+            o.untyped_storage().data_ptr() for o in out if isinstance(o, torch.Tensor)
+        )
         if self.clone_outputs:
-            # Only outputs in fxsplit's static buffers are overwritten by the next replay; others
-            # (views of the caller's tensors, eager results) keep eager aliasing.
-            owned = self.static_storages
-            out = tuple(
-                o.clone()
-                if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in owned
-                else o
-                for o in out
-            )
+            out = _clone_owned(out, self.session.owned(self))
         return out
 
     def _may_capture(self, args) -> bool:
         if torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
-            if not self._warned_grad:
-                self._warned_grad = True
-                warnings.warn(
-                    f"fxsplit {self.graph_id}: grad is enabled and an input requires grad, so "
-                    "pieces run uncaptured (a replay returns outputs without grad_fn); run "
-                    "inference under torch.no_grad() or torch.inference_mode()",
-                    UserWarning,
-                    stacklevel=3,
-                )
+            self._warn_once(
+                "grad",
+                f"fxsplit {self.graph_id}: grad is enabled and an input requires grad, so "
+                "pieces run uncaptured (a replay returns outputs without grad_fn); run "
+                "inference under torch.no_grad() or torch.inference_mode()",
+            )
             return False
         if self.capture_sizes is None or self._size_index is None:
             return True
@@ -234,28 +278,66 @@ class GraphRuntime:
         ptrs = tuple(args[i].data_ptr() for i in self._params)
         if self._param_ptrs is None:
             self._param_ptrs = ptrs
-        elif ptrs != self._param_ptrs:
-            self._param_ptrs = ptrs
-            dropped = self.reset()
-            log.info(
-                "fxsplit %s: parameters or buffers moved since capture; dropped %d captured "
-                "graphs, recapturing",
-                self.graph_id,
-                dropped,
+            return
+        if ptrs == self._param_ptrs:
+            return
+        moved = [i for i, a, b in zip(self._params, ptrs, self._param_ptrs, strict=True) if a != b]
+        self._param_ptrs = ptrs
+        rebound = []
+        for i in moved:
+            self._moves[i] = self._moves.get(i, 0) + 1
+            if self._moves[i] >= 2:
+                rebound.append(i)
+        if rebound:
+            self._rebind(rebound)
+            return
+        dropped = self.reset()
+        log.info(
+            "fxsplit %s: parameters or buffers moved since capture (%s); dropped %d captured "
+            "graphs, recapturing",
+            self.graph_id,
+            ", ".join(self._placeholders[i].name for i in moved),
+            dropped,
+        )
+        if dropped:
+            counters.totals["recaptures"] += 1
+            self._note_recapture("parameters or buffers moved (load_state_dict(assign=True)?)")
+
+    def _rebind(self, indices: list[int]) -> None:
+        """Static inputs that moved on two steps are rebound by the model itself (``self.t =
+        self.t + 1``): from now on they are fxsplit's to copy, like runner inputs."""
+        names = [self._placeholders[i].name for i in indices]
+        self._warn_once(
+            "rebound:" + ",".join(names),
+            f"fxsplit {self.graph_id}: the model rebinds {', '.join(names)} (a parameter or "
+            "buffer assigned a new tensor in forward) every step; fxsplit now copies it like a "
+            "runner input instead of recapturing. Update it in place (copy_) to avoid the copy.",
+        )
+        self._volatile.update(names)
+        self._params = [i for i in self._params if i not in indices]
+        self._runner_inputs = sorted({*self._runner_inputs, *indices})
+        self._param_ptrs = None
+        self.reset()
+        self.pieces = self._install()
+
+    def _note_recapture(self, reason: str) -> None:
+        """Warn once when the graph recaptured more than a few times within a few steps."""
+        steps = self._steps
+        self._recaptures = [s for s in self._recaptures if s > steps - 10] + [steps]
+        if len(self._recaptures) > 3:
+            self._warn_once(
+                "storm",
+                f"fxsplit {self.graph_id}: recaptured {len(self._recaptures)} times in the last "
+                f"10 steps: {reason}; every recapture costs a capture of every piece",
             )
-            if dropped:
-                counters.totals["recaptures"] += 1
 
     def warn_key_limit(self, piece: CapturedPiece) -> None:
         """Warn once that ``piece`` reached ``max_captured_keys``."""
-        if not self._warned_limit:
-            self._warned_limit = True
-            warnings.warn(
-                f"fxsplit {self.graph_id}: {piece.name} reached max_captured_keys="
-                f"{self.max_captured_keys}; further keys run uncaptured",
-                UserWarning,
-                stacklevel=4,
-            )
+        self._warn_once(
+            "keys",
+            f"fxsplit {self.graph_id}: {piece.name} reached max_captured_keys="
+            f"{self.max_captured_keys}; further keys run uncaptured",
+        )
 
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{piece: {key: counters}}`` for every captured piece."""
@@ -272,9 +354,72 @@ class GraphRuntime:
             piece.entries.clear()
             piece.warmups.clear()
         self.static_outputs.clear()
-        self.static_ptrs.clear()
-        self.static_storages.clear()
+        self.session.forget(self)
         return dropped
+
+
+def _size_input(placeholders, example_inputs, params, arg_names, size_input) -> int | None:
+    """Index of the graph input whose leading dim is the token count: the first tensor argument
+    of the compiled frame in its signature's order (Dynamo orders graph inputs by first use, so
+    a model that reads ``block_table`` first would key on the number of sequences), or the
+    argument named by ``size_input``."""
+    candidates = [
+        i
+        for i, value in enumerate(example_inputs)
+        if isinstance(value, torch.Tensor) and i not in params and value.dim() > 0
+    ]
+    if not candidates:
+        return None
+    names = {i: _argument(placeholders[i]) for i in candidates}
+    if size_input is not None:
+        for i in candidates:
+            if names[i] == size_input:
+                return i
+        warnings.warn(
+            f"fxsplit: size_input={size_input!r} names no tensor argument of this graph "
+            f"(tensor arguments: {', '.join(sorted(n for n in names.values() if n)) or 'none'}); "
+            "using the first tensor argument",
+            UserWarning,
+            stacklevel=5,
+        )
+    if arg_names:
+        order = {name: k for k, name in enumerate(arg_names)}
+        ranked = sorted(candidates, key=lambda i: (order.get(names[i], len(order)), i))
+        return ranked[0]
+    return candidates[0]
+
+
+def _argument(node) -> str | None:
+    """The frame argument a placeholder comes from: ``x`` for source ``L['x']``."""
+    grapharg = node.meta.get("grapharg")
+    name = getattr(getattr(grapharg, "source", None), "name", None)
+    name = name() if callable(name) else name
+    if isinstance(name, str) and name.startswith("L['") and name.endswith("']"):
+        return name[3:-2]
+    return None
+
+
+def _clone_owned(out: tuple, owned: set[int]) -> tuple:
+    """Clones of the outputs in fxsplit's static buffers (the next replay overwrites those);
+    outputs sharing one buffer get views of one clone, keeping eager's aliasing between them.
+    Other outputs (views of the caller's tensors, eager results) are returned as they are."""
+    clones: dict[int, torch.UntypedStorage] = {}
+    result = []
+    for o in out:
+        if not isinstance(o, torch.Tensor):
+            result.append(o)
+            continue
+        storage = o.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in owned:
+            result.append(o)
+            continue
+        copy = clones.get(ptr)
+        if copy is None:
+            copy = clones[ptr] = storage.clone()
+        view = torch.empty(0, dtype=o.dtype, device=o.device)
+        result.append(view.set_(copy, o.storage_offset(), o.size(), o.stride()))
+    return tuple(result)
 
 
 __all__ = ["CaptureSession", "GraphRuntime", "PieceStats"]

@@ -1,0 +1,145 @@
+"""Aliasing pass: what each piece writes and which of its outputs alias its inputs.
+
+The facts come from PyTorch's own analysis, not from lists of op names: every piece is run once,
+on fresh fake tensors shaped like its inputs, through AOTAutograd's metadata collection
+(``run_functionalized_fw_and_collect_metadata``, the pass Inductor's cudagraph trees read
+their ``mutates_data`` / ``OutputAliasInfo`` facts from). Functionalization sees every write form:
+in-place methods, ``out=``, writes through any view (``swapaxes``, ``.T``, ``unfold``, ``diagonal``,
+``as_strided``, ``index_put_`` on a slice, ...), custom ops with ``mutates_args`` whether Dynamo
+recorded the packet or the overload, and the running statistics of ``batch_norm`` /
+``instance_norm`` whose schemas do not declare the write.
+
+The runtime reads the result as plain data (:class:`PieceAliasing`); nothing at run time looks at
+FX nodes again. The collection is a private torch API: a piece it cannot analyse gets
+``PieceAliasing.error`` and runs uncaptured with that reason (never captured on a guess).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["PieceAliasing", "analyse"]
+
+
+@dataclass(frozen=True)
+class PieceAliasing:
+    """What one piece does to its inputs, by input and output position.
+
+    Attributes:
+        written: indices of the inputs whose data the piece writes (directly or through a view).
+        metadata_written: indices of the inputs whose size, stride or offset the piece changes in
+            place (``unsqueeze_``, ``t_``, ``as_strided_``, ...).
+        output_bases: per output of the piece, the index of the input it is a view of (or is),
+            else None.
+        error: why the analysis could not run (then the other fields are empty and the piece is
+            never captured); None when it ran.
+    """
+
+    written: frozenset[int] = frozenset()
+    metadata_written: frozenset[int] = frozenset()
+    output_bases: tuple[int | None, ...] = ()
+    error: str | None = None
+
+    def describe(self, inputs: Sequence[str], outputs: Sequence[str]) -> dict[str, tuple]:
+        """Names instead of positions: ``{"writes": (...), "metadata_writes": (...),
+        "aliases": ("out -> in", ...)}`` (the fields of :class:`fxsplit.plan.Piece`)."""
+        return {
+            "writes": tuple(inputs[i] for i in sorted(self.written)),
+            "metadata_writes": tuple(inputs[i] for i in sorted(self.metadata_written)),
+            "aliases": tuple(
+                f"{outputs[j]} -> {inputs[i]}"
+                for j, i in enumerate(self.output_bases)
+                if i is not None and j < len(outputs)
+            ),
+        }
+
+
+def _collector() -> Callable:
+    from torch._functorch._aot_autograd.collect_metadata_analysis import (
+        run_functionalized_fw_and_collect_metadata,
+    )
+
+    return run_functionalized_fw_and_collect_metadata
+
+
+def _fresh(value: object) -> object:
+    """A new fake tensor with ``value``'s size, stride, dtype and device (own storage, so inputs
+    never alias one another in the analysis); other values as they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+
+
+def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) -> PieceAliasing:
+    """Run ``fn`` (a piece's uncaptured code) on fake copies of ``example_inputs`` through
+    functionalization and return what it writes and aliases.
+
+    Args:
+        fn: the piece function; returns one value, a tuple of ``num_outputs`` values, or None.
+        example_inputs: Dynamo's fake example values of the piece's inputs (FakeTensors with
+            symbolic sizes, SymInts, Python scalars); None where a value has no example.
+        num_outputs: how many values the piece returns.
+
+    Returns:
+        a :class:`PieceAliasing`; its ``error`` says why when the analysis could not run (no fake
+        example values, an op without a fake kernel, a torch without the metadata collector).
+    """
+    from torch._guards import detect_fake_mode
+
+    if any(v is None for v in example_inputs):
+        return PieceAliasing(error="an input has no traced example value")
+    fake_mode = detect_fake_mode(list(example_inputs))
+    if fake_mode is None and any(isinstance(v, torch.Tensor) for v in example_inputs):
+        return PieceAliasing(error="the inputs are not fake tensors")
+
+    def flat_fn(*args):
+        out = fn(*args)
+        return out if isinstance(out, tuple) and num_outputs != 1 else (out,)
+
+    try:
+        collect = _collector()
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            inputs = [_fresh(v) for v in example_inputs]
+            meta = _run(collect, flat_fn, inputs)
+    except Exception as error:  # any failure: the piece is not captured on a guess
+        return PieceAliasing(error=f"aliasing analysis failed: {type(error).__name__}: {error}")
+    return _facts(meta, num_outputs)
+
+
+def _run(collect: Callable, fn: Callable, inputs: list) -> object:
+    params = inspect.signature(collect).parameters
+    kwargs: dict[str, object] = {"keep_input_mutations": False}
+    if "flat_args_descs" in params:  # torch >= 2.12 names every input
+        from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+
+        kwargs["flat_args_descs"] = [PlainAOTInput(i) for i in range(len(inputs))]
+    from torch._dispatch.python import enable_python_dispatcher
+
+    # Symbolic sizes need the Python dispatcher (as in AOTAutograd's own tracing): without it,
+    # decompositions reach C++ kernels that take only concrete sizes.
+    with torch.no_grad(), enable_python_dispatcher():
+        return collect(fn, **kwargs)(*inputs)
+
+
+def _facts(meta, num_outputs: int) -> PieceAliasing:
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    to_input = (OutputType.alias_of_input, OutputType.is_input)
+    written = frozenset(i for i, info in enumerate(meta.input_info) if info.mutates_data)
+    metadata = frozenset(i for i, info in enumerate(meta.input_info) if info.mutates_metadata)
+    infos = meta.output_info
+    if len(infos) != num_outputs:
+        # A piece output that is itself a container flattens into several entries: its leaves'
+        # aliasing cannot be mapped back to one value, so it must not alias an input.
+        if any(info.output_type in to_input for info in infos):
+            return PieceAliasing(
+                error="an output holding several tensors aliases an input of the piece"
+            )
+        return PieceAliasing(written, metadata, (None,) * num_outputs)
+    bases = tuple(info.base_idx if info.output_type in to_input else None for info in infos)
+    return PieceAliasing(written, metadata, bases)

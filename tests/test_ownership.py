@@ -1,0 +1,513 @@
+"""Buffer ownership and aliasing under capture: each case once returned a wrong number or
+corrupted a caller's tensor with no error (CPU, ``capture="emulate"``, under no_grad).
+
+The rule under test (README, "Whose memory fxsplit writes"): fxsplit writes into a tensor the
+caller handed in only where the model writes it; a caller's tensor is a static buffer only when
+declared persistent; values the caller never handed in are fxsplit's to copy, never to refuse;
+outputs that are views of an input stay views of the caller's tensor.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxsplit
+from fxsplit import counters
+
+D = 4
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    torch._dynamo.reset()
+    counters.reset()
+    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
+    yield
+    torch._dynamo.reset()
+    counters.reset()
+
+
+@torch.library.custom_op("fxsplit_own::fresh", mutates_args=())
+def fresh(x: torch.Tensor) -> torch.Tensor:
+    """An eager op returning a new tensor every call."""
+    return torch.cumsum(x, dim=-1) * 0.5
+
+
+@fresh.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxsplit_own::attend", mutates_args=())
+def attend(q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Eager "attention": reads the whole cache."""
+    return q * cache.sum() + cache.flatten()[: q.shape[-1]]
+
+
+@attend.register_fake
+def _(q, cache):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("fxsplit_own::bump", mutates_args=["t"])
+def bump(t: torch.Tensor) -> None:
+    """An eager op writing its argument in place."""
+    t.add_(100)
+
+
+@bump.register_fake
+def _(t):
+    return None
+
+
+@torch.library.custom_op("fxsplit_own::cache_update", mutates_args=["kv_cache"])
+def cache_update(k: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes k's rows into kv_cache at slots (a KV-cache write)."""
+    kv_cache.index_copy_(0, slots, k)
+
+
+@cache_update.register_fake
+def _(k, kv_cache, slots):
+    return None
+
+
+EAGER_OPS = ["fxsplit_own::fresh", "fxsplit_own::attend", "fxsplit_own::bump"]
+
+
+def _compile(fn, dynamic=None, **options):
+    options.setdefault("splitting_ops", EAGER_OPS)
+    backend = fxsplit.Backend(capture="emulate", **options)
+    return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=True), backend
+
+
+def _data(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _replays() -> int:
+    return counters.totals["replays"]
+
+
+def test_view_of_previous_output_fed_back_reads_its_own_values():
+    """``h[B:]`` of the last output fed back as the next input: a slice, so its start address
+    differs from the output buffer's, but the next replay overwrites it all the same."""
+
+    def f(x):
+        h = torch.cat([x, x + 1]) * 2
+        y = fxsplit_own_fresh(h)
+        return h, y * 3
+
+    cf, _ = _compile(f, dynamic=False)
+    b = 3
+    x_eager = x = _data(b, D)
+    with torch.no_grad():
+        for step in range(6):
+            h_e, y_e = f(x_eager)
+            h, y = cf(x)
+            assert torch.equal(h, h_e) and torch.equal(y, y_e), step
+            x_eager, x = h_e[b:], h[b:]
+    assert _replays() > 0
+
+
+def fxsplit_own_fresh(x):
+    return torch.ops.fxsplit_own.fresh(x)
+
+
+WRITES = {
+    "swapaxes": lambda c, s: c.swapaxes(0, 1)[0, :, 0].copy_(s),
+    "setitem_swapaxes": lambda c, s: c.swapaxes(0, 1).__setitem__((0, slice(None), 0), s),
+    "T": lambda c, s: c[0].T[1].copy_(s),
+    "mT": lambda c, s: c.mT[0, 2].copy_(s),
+    "unfold": lambda c, s: c[1].unfold(0, 2, 2)[0, 0].copy_(s[:2]),
+    "real": lambda c, s: c.real[2, 1].copy_(s),
+    "diagonal": lambda c, s: c[0].diagonal().copy_(s),
+    "as_strided": lambda c, s: c.as_strided((D,), (D + 1,), 3).copy_(s),
+    "index_put_slice": lambda c, s: c[1:][0].index_put_((torch.arange(D),), s, accumulate=True),
+    "swapdims_add_": lambda c, s: c.swapdims(1, 2)[3].add_(s),
+}
+
+
+@pytest.mark.parametrize("how", sorted(WRITES))
+def test_write_through_a_view_in_captured_piece_reaches_the_cache(how):
+    write = WRITES[how]
+
+    def f(k, cache):
+        write(cache, k.sum(0) * 2)
+        return torch.ops.fxsplit_own.attend(k.sin(), cache)
+
+    cf, _ = _compile(f)
+    cache_e, cache = torch.zeros(D, D, D), torch.zeros(D, D, D)
+    with torch.no_grad():
+        for step in range(5):
+            k = _data(3, D, seed=step)
+            expected = f(k, cache_e)
+            got = cf(k, cache)
+            assert torch.equal(got, expected), (how, step)
+            assert torch.equal(cache, cache_e), (how, step)
+    assert _replays() > 0
+
+
+def test_view_of_copied_value_written_by_later_eager_piece():
+    """An eager op returns v; the captured piece takes y = v[0]; a later eager op writes y in
+    place: the write must reach v, as in eager."""
+
+    def f(x):
+        v = torch.ops.fxsplit_own.fresh(x)
+        y = v[0]
+        z = (x * 2).sum()
+        torch.ops.fxsplit_own.bump(y)
+        return v.sum(1) + z
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(5):
+            x = _data(3, D, seed=step)
+            assert torch.equal(cf(x), f(x)), step
+    assert _replays() > 0
+
+
+def test_custom_op_packet_writing_kv_cache_in_captured_piece_under_v1():
+    def f(k, kv_cache, slots, q):
+        torch.ops.fxsplit_own.cache_update(k * 2, kv_cache, slots)
+        return torch.ops.fxsplit_own.attend(q, kv_cache)
+
+    cf, _ = _compile(f, runner="v1")
+    cache_e, cache = torch.zeros(16, D), torch.zeros(16, D)
+    with torch.no_grad():
+        for step in range(5):
+            k, q = _data(2, D, seed=step), _data(2, D, seed=10 + step)
+            slots = torch.tensor([2 * step, 2 * step + 1])
+            expected = f(k, cache_e, slots, q)
+            assert torch.equal(cf(k, cache, slots, q), expected), step
+            assert torch.equal(cache, cache_e), step
+    assert _replays() > 0
+
+
+def test_v2_copy_binding_never_writes_one_caller_tensor_into_another():
+    def f(x):
+        return torch.ops.fxsplit_own.fresh(x.sin()) * 2
+
+    cf, _ = _compile(f, runner="v2", input_binding="copy")
+    a, b = _data(3, D, seed=1), _data(3, D, seed=2)
+    a0, b0 = a.clone(), b.clone()
+    with torch.no_grad():
+        for x in (a, a, b, a, b, b, a):
+            assert torch.equal(cf(x), f(x))
+            assert torch.equal(a, a0) and torch.equal(b, b0)
+    assert _replays() > 0
+
+
+def test_v1_strict_binding_same_tensor_every_step():
+    def f(x):
+        return torch.ops.fxsplit_own.fresh(x.sin()) * 2
+
+    cf, _ = _compile(f, runner="v1", input_binding="strict")
+    x = _data(3, D)
+    with torch.no_grad():
+        for step in range(5):
+            x.copy_(_data(3, D, seed=step))
+            assert torch.equal(cf(x), f(x)), step
+    assert _replays() > 0
+
+
+def test_signed_zero_host_value_is_its_own_capture_key():
+    def f(h, shift: float):
+        return torch.ops.fxsplit_own.fresh(h) / shift
+
+    cf, _ = _compile(f, dynamic=True)
+    h = torch.ones(3, D)
+    with torch.no_grad():
+        for shift in (0.0, -0.0, 0.0, -0.0, -0.0, 0.0):
+            assert torch.equal(cf(h, shift), f(h, shift)), shift
+
+
+def test_bool_and_int_host_values_are_different_keys():
+    from fxsplit.runtime.captured import _exact
+
+    assert _exact(True) != _exact(1)
+    assert _exact(0.0) != _exact(-0.0)
+    assert _exact(float("nan")) == _exact(float("nan"))
+
+
+def test_reduction_over_non_contiguous_input_replays_bit_exactly():
+    def f(x):
+        return x.sum() * 2
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(10):
+            buf = _data(64, 33, seed=step) * 1000
+            x = buf[:, 1:]
+            assert torch.equal(cf(x), f(x)), step
+    assert _replays() > 0
+
+
+def test_v2_output_fed_back_as_next_input():
+    def f(x):
+        return torch.ops.fxsplit_own.fresh(x).tanh() + 0.5
+
+    cf, _ = _compile(f, runner="v2")
+    x_e = x = _data(3, D)
+    with torch.no_grad():
+        for step in range(6):
+            x_e, x = f(x_e), cf(x)
+            assert torch.equal(x, x_e), step
+    assert _replays() > 0
+
+
+@torch.compiler.disable
+def _helper(h):
+    return h.cos() + 1
+
+
+def test_v2_value_from_disabled_helper_between_graphs_is_copied_not_refused():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(D, D)
+            self.b = nn.Linear(D, D)
+
+        def forward(self, x):
+            h = torch.ops.fxsplit_own.fresh(self.a(x))
+            h = _helper(h)
+            return torch.ops.fxsplit_own.fresh(self.b(h)) * 2
+
+    model = M().eval()
+    backend = fxsplit.Backend(capture="emulate", runner="v2", splitting_ops=EAGER_OPS)
+    cf = torch.compile(model, backend=backend)
+    x = _data(3, D)
+    with torch.no_grad():
+        for step in range(5):
+            x.copy_(_data(3, D, seed=step))
+            assert torch.equal(cf(x), model(x)), step
+    assert _replays() > 0
+
+
+def test_buffer_rebound_in_forward_is_copied_not_recaptured(caplog):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("t", torch.zeros(D))
+
+        def forward(self, x):
+            self.t = self.t + 1
+            return torch.ops.fxsplit_own.fresh(x * self.t) * 2
+
+    model, ref = M(), M()
+    cf = torch.compile(model, backend=fxsplit.Backend(capture="emulate", splitting_ops=EAGER_OPS))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(12):
+            x = _data(3, D, seed=step)
+            assert torch.equal(cf(x), ref(x)), step
+    rebound = [w for w in seen if "rebinds" in str(w.message)]
+    assert len(rebound) == 1, [str(w.message) for w in seen]
+    assert counters.totals["captures"] > 0 and _replays() >= 6
+    assert counters.totals["recaptures"] <= 1
+
+
+def test_capture_sizes_read_the_first_forward_argument_not_the_first_used():
+    def f(tokens, block_table):
+        n = block_table.shape[0]
+        return torch.ops.fxsplit_own.fresh(tokens * n) + 1
+
+    cf, _ = _compile(f, dynamic=True, capture_sizes=[8, 16])
+    with torch.no_grad():
+        for step in range(6):
+            size = 8 if step % 2 else 16
+            tokens, table = _data(size, D, seed=step), torch.zeros(3, 5, dtype=torch.long)
+            assert torch.equal(cf(tokens, table), f(tokens, table))
+    assert counters.totals["captures"] > 0 and _replays() > 0
+
+
+def test_size_input_names_the_argument():
+    def f(block_table, tokens):
+        return torch.ops.fxsplit_own.fresh(tokens * block_table.shape[0]) + 1
+
+    cf, _backend = _compile(f, dynamic=True, capture_sizes=[8], size_input="tokens")
+    with torch.no_grad():
+        for step in range(4):
+            table, tokens = torch.zeros(3, 5, dtype=torch.long), _data(8, D, seed=step)
+            assert torch.equal(cf(table, tokens), f(table, tokens))
+    assert _replays() > 0
+
+
+def test_batch_norm_running_stats_written_back_to_caller_tensors():
+    def f(x, mean, var):
+        return F.batch_norm(x, mean, var, training=True, momentum=0.3) * 2
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(5):
+            x = _data(6, D, seed=step)
+            mean_e, var_e = torch.zeros(D), torch.ones(D)
+            mean, var = mean_e.clone(), var_e.clone()
+            assert torch.equal(cf(x, mean, var), f(x, mean_e, var_e)), step
+            assert torch.equal(mean, mean_e) and torch.equal(var, var_e), step
+    assert _replays() > 0
+
+
+def test_in_place_op_on_input_returns_the_callers_tensor():
+    def f(x, y):
+        return x.add_(y)
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(5):
+            x, y = _data(3, D, seed=step), _data(3, D, seed=50 + step)
+            x_e = x.clone()
+            out = cf(x, y)
+            f(x_e, y)
+            assert torch.equal(x, x_e) and out.data_ptr() == x.data_ptr(), step
+            out.mul_(0)  # eager aliasing: the output is the input
+            assert not x.any()
+    assert counters.totals["captures"] > 0 and _replays() > 0
+
+
+@pytest.mark.parametrize(
+    "view", ["t", "T", "mT", "expand_as", "unfold", "diagonal", "getitem", "real"]
+)
+def test_output_view_of_input_stays_a_view_of_the_callers_tensor(view):
+    views = {
+        "t": lambda x: x.t(),
+        "T": lambda x: x.T,
+        "mT": lambda x: x.mT,
+        "expand_as": lambda x: x[:1].expand_as(x),
+        "unfold": lambda x: x.unfold(1, 2, 1),
+        "diagonal": lambda x: x.diagonal(),
+        "getitem": lambda x: x[1:, ::2],
+        "real": lambda x: x.real,
+    }
+
+    def f(x):
+        return views[view](x), x.sum() * 2
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(4):
+            x = _data(3, D, seed=step)
+            v, s = cf(x)
+            v_e, s_e = f(x)
+            assert torch.equal(v, v_e) and torch.equal(s, s_e)
+            assert v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr(), view
+            assert v.stride() == v_e.stride() and v.storage_offset() == v_e.storage_offset()
+    assert counters.totals["captures"] > 0 and _replays() > 0
+
+
+def test_piece_with_an_empty_input_is_captured():
+    def f(x, empty):
+        return torch.cat([x * 2, empty]).sin()
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(4):
+            x, e = _data(3, D, seed=step), torch.empty(0, D)
+            assert torch.equal(cf(x, e), f(x, e))
+    assert counters.totals["captures"] > 0 and _replays() > 0
+
+
+def test_enable_grad_inside_no_grad_runs_uncaptured_with_fresh_grad_fn():
+    w = torch.ones(D, requires_grad=True)
+
+    def f(x):
+        with torch.enable_grad():
+            y = (x * w).sum(-1)
+        return y
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        outs = [cf(_data(3, D, seed=s)) for s in range(4)]
+    assert all(o.requires_grad and o.grad_fn is not None for o in outs)
+    assert len({o.data_ptr() for o in outs}) == len(outs)  # no replay buffer handed out twice
+    assert _replays() == 0
+
+
+def test_runner_input_aliasing_a_written_module_buffer_keeps_eager_numbers():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cache", torch.zeros(D, D))
+
+        def forward(self, k, view):
+            self.cache[0].add_(k.sum(0))
+            return view.sum(0) * 2 + k.sin().sum()
+
+    model, ref = M(), M()
+    cf = torch.compile(model, backend=fxsplit.Backend(capture="emulate"))
+    with torch.no_grad():
+        for step in range(5):
+            k = _data(3, D, seed=step)
+            assert torch.equal(cf(k, model.cache[:2]), ref(k, ref.cache[:2])), step
+            assert torch.equal(model.cache, ref.cache)
+
+
+def test_unchanged_runner_input_is_not_copied_again():
+    def f(x, cache):
+        return torch.ops.fxsplit_own.fresh(x * cache.sum())
+
+    cf, backend = _compile(f)
+    cache = _data(64, 64)
+    with torch.no_grad():
+        for step in range(6):
+            x = _data(3, D, seed=step)
+            assert torch.equal(cf(x, cache), f(x, cache))
+        cache.add_(1)  # written in place: the version counter tells, so it is copied again
+        x = _data(3, D, seed=99)
+        assert torch.equal(cf(x, cache), f(x, cache))
+    copies = {
+        name: n
+        for piece in backend.runtimes[0].pieces
+        for name, n in piece.stats.copies_by_input.items()
+    }
+    cache_copies = [n for name, n in copies.items() if "cache" in name]
+    assert cache_copies == [1], copies  # the replay after cache.add_ (capture used it as is)
+
+
+def test_mark_static_address_input_is_never_copied():
+    def f(x, cache):
+        cache[: x.shape[0]].copy_(x)
+        return torch.ops.fxsplit_own.attend(x, cache)
+
+    cf, backend = _compile(f, runner="v1")
+    cache = torch.zeros(16, D)
+    torch._dynamo.mark_static_address(cache)
+    cache_e = cache.clone()
+    with torch.no_grad():
+        for step in range(5):
+            x = _data(3, D, seed=step)
+            assert torch.equal(cf(x, cache), f(x, cache_e)), step
+            assert torch.equal(cache, cache_e)
+    copies = [
+        n
+        for p in backend.runtimes[0].pieces
+        for k, n in p.stats.copies_by_input.items()
+        if "cache" in k
+    ]
+    assert not copies and _replays() > 0
+
+
+def test_analysis_failure_logs_and_runs_uncaptured(caplog, monkeypatch):
+    from fxsplit.passes import aliasing
+
+    def broken():
+        raise ImportError("no collector in this torch")
+
+    monkeypatch.setattr(aliasing, "_collector", broken)
+
+    def f(x):
+        return torch.ops.fxsplit_own.fresh(x.sin()) * 2
+
+    cf, _ = _compile(f)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fxsplit"):
+        for step in range(3):
+            x = _data(3, D, seed=step)
+            assert torch.equal(cf(x), f(x))
+    assert _replays() == 0
+    assert any("aliasing analysis failed" in r.getMessage() for r in caplog.records)
