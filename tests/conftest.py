@@ -1,7 +1,8 @@
 """Shared pytest configuration: hypothesis profiles for tests/test_property.py.
 
 ``HYPOTHESIS_PROFILE`` selects one: ``ci`` (default; 200 examples, derandomized so CI is
-deterministic) or ``long`` (3000 random examples, for a soak run):
+deterministic) or ``long`` (10,000 random examples, or ``HYPOTHESIS_MAX_EXAMPLES``, for a soak
+run; two processes with different ``--hypothesis-seed`` values split it over two cores):
 ``HYPOTHESIS_PROFILE=long python3 -m pytest tests/test_property.py --hypothesis-show-statistics``.
 """
 
@@ -15,5 +16,7 @@ _COMMON = {
     "print_blob": True,
 }
 settings.register_profile("ci", max_examples=200, derandomize=True, **_COMMON)
-settings.register_profile("long", max_examples=3000, **_COMMON)
+settings.register_profile(
+    "long", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 10_000)), **_COMMON
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -511,3 +511,38 @@ def test_analysis_failure_logs_and_runs_uncaptured(caplog, monkeypatch):
             assert torch.equal(cf(x), f(x))
     assert _replays() == 0
     assert any("aliasing analysis failed" in r.getMessage() for r in caplog.records)
+
+
+def test_transformers_static_cache_generate_replays_every_piece_and_never_copies_the_cache():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 5))
+    generate = {"max_new_tokens": 10, "do_sample": False, "cache_implementation": "static"}
+    with torch.no_grad():
+        expected = model.generate(ids, **generate)
+        backend = fxsplit.Backend(
+            capture="emulate", splitting_ops=["aten::scaled_dot_product_attention"]
+        )
+        model.forward = torch.compile(model.forward, backend=backend)
+        got = model.generate(ids, **generate)
+    assert torch.equal(got, expected)
+    decode = backend.runtimes[-1]
+    assert all(p.failed is None and p.entries for p in decode.pieces)
+    assert all(sum(k["replays"] for k in p.stats.per_key.values()) >= 7 for p in decode.pieces)
+    cache_copies = {
+        name: n
+        for p in decode.pieces
+        for name, n in p.stats.copies_by_input.items()
+        if "keys" in name or "values" in name or "cumulative_length" in name
+    }
+    assert not cache_copies, cache_copies

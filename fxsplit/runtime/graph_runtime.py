@@ -71,7 +71,10 @@ class CaptureSession:
         """``(weak reference, version)`` of a value just copied into a static buffer, telling
         the next call whether it changed since; None where the version counter cannot tell
         (inference tensors have none; fxsplit's own buffers change by replay, unseen)."""
-        if tensor.is_inference() or self.produced(tensor):
+        if tensor.is_inference():
+            return None
+        ptr = tensor.untyped_storage().data_ptr()
+        if any(ptr in s for s in self.storages.values()):
             return None
         return weakref.ref(tensor), tensor._version
 
