@@ -18,7 +18,8 @@ from fxsplit.config import Config
 from fxsplit.passes import Split, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
-from fxsplit.runtime.graph_runtime import CaptureSession, GraphRuntime
+from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime
+from fxsplit.runtime.graphs import DeviceCapture
 from fxsplit.tools import dump
 
 log = logging.getLogger("fxsplit")
@@ -48,7 +49,7 @@ class Backend:
         self.compiled: list[Split] = []
         self.runtimes: list[GraphRuntime] = []
         self._dumps: list[tuple[object, GraphRuntime | None]] = []
-        self._pools: dict[torch.device, object] = {}
+        self._captures: dict[torch.device, DeviceCapture] = {}
         self._session = CaptureSession()
         self._count = 0
         self._lock = threading.Lock()
@@ -131,10 +132,10 @@ class Backend:
                 config,
                 mode,
                 example_inputs,
-                self._pool(mode, device),
+                self._device_capture(mode, device),
                 device,
                 self._session,
-                _frame_arguments(),
+                _frame(),
             )
             self.runtimes.append(runtime)
         if dump_root:
@@ -157,13 +158,14 @@ class Backend:
                     stacklevel=2,
                 )
 
-    def _pool(self, mode: str, device: torch.device):
+    def _device_capture(self, mode: str, device: torch.device) -> DeviceCapture | None:
+        """The memory pool and capture stream shared by this backend's graphs on ``device``."""
         if mode != "cuda":
             return None
-        pool = self._pools.get(device)
-        if pool is None:
-            pool = self._pools[device] = torch.cuda.graph_pool_handle()
-        return pool
+        shared = self._captures.get(device)
+        if shared is None:
+            shared = self._captures[device] = DeviceCapture(device)
+        return shared
 
     @property
     def stats(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
@@ -215,7 +217,7 @@ class Backend:
             runtime.reset()
         self.runtimes.clear()
         self._session.outputs.clear()
-        self._pools.clear()
+        self._captures.clear()
         self.plans.clear()
         self.compiled.clear()
         self._count = 0
@@ -223,9 +225,9 @@ class Backend:
         self._warned.clear()
 
 
-def _frame_arguments() -> tuple[str, ...] | None:
-    """Argument names, in signature order, of the frame Dynamo is compiling (the backend runs
-    inside Dynamo's translation of it); None outside Dynamo or where its internals differ."""
+def _frame() -> Frame | None:
+    """The frame Dynamo is compiling (the backend runs inside Dynamo's translation of it);
+    None outside Dynamo or where its internals differ."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
@@ -233,7 +235,9 @@ def _frame_arguments() -> tuple[str, ...] | None:
     except Exception:  # not under Dynamo (a direct backend call), or another torch layout
         return None
     count = code.co_argcount + code.co_kwonlyargcount
-    return tuple(code.co_varnames[:count])
+    # Dynamo names the functions that resume a frame after a graph break this way.
+    resumed = code.co_name.startswith("torch_dynamo_resume_in_")
+    return Frame(tuple(code.co_varnames[:count]), resumed)
 
 
 def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | None]:

@@ -181,8 +181,27 @@ def _splitting_ops(key: str, value: Any) -> tuple[str, ...]:
 
     names = _strings(key, value)
     for name in names:
-        parse_op_name(name)
+        ns, op, overload = parse_op_name(name)
+        packet = _registered_op(ns, op)
+        if overload is not None and packet is not None and overload not in packet.overloads():
+            real = ", ".join(f"{ns}::{op}.{o}" for o in sorted(packet.overloads()))
+            raise ValueError(
+                f"fxsplit option {key} holds {name!r}, but {ns}::{op} has no overload "
+                f"{overload!r}; its overloads: {real} (or {ns}::{op} for all of them)"
+            )
     return names
+
+
+def _registered_op(ns: str, op: str):
+    """The op's packet when its namespace is already registered with torch; None otherwise
+    (custom ops may be registered after the backend is configured)."""
+    import torch
+
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+    except (AttributeError, RuntimeError):
+        return None
+    return packet if isinstance(packet, torch._ops.OpOverloadPacket) else None
 
 
 def _capture_sizes(key: str, value: Any) -> tuple[int, ...]:

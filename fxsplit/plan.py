@@ -23,6 +23,7 @@ class Piece:
             runs for captured pieces when capture is on or a dump is written).
         metadata_writes: names of the inputs whose size or stride it changes in place.
         aliases: ``"output -> input"`` for each output that is a view of one of its inputs.
+        devices: the devices of the tensors it reads and makes (``"cuda:0"``, ``"cpu"``).
     """
 
     name: str
@@ -36,6 +37,7 @@ class Piece:
     writes: tuple[str, ...] = ()
     metadata_writes: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,19 +4,26 @@
 deterministic) or ``long`` (10,000 random examples, or ``HYPOTHESIS_MAX_EXAMPLES``, for a soak
 run; two processes with different ``--hypothesis-seed`` values split it over two cores):
 ``HYPOTHESIS_PROFILE=long python3 -m pytest tests/test_property.py --hypothesis-show-statistics``.
+
+hypothesis is optional here: a bare GPU box (torch, pytest, numpy) has none, and its test
+modules then skip (``scripts/check_bare_env.sh`` checks that in CI).
 """
 
 import os
 
-from hypothesis import HealthCheck, settings
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:
+    settings = None
 
-_COMMON = {
-    "deadline": None,
-    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
-    "print_blob": True,
-}
-settings.register_profile("ci", max_examples=200, derandomize=True, **_COMMON)
-settings.register_profile(
-    "long", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 10_000)), **_COMMON
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+if settings is not None:
+    _COMMON = {
+        "deadline": None,
+        "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+        "print_blob": True,
+    }
+    settings.register_profile("ci", max_examples=200, derandomize=True, **_COMMON)
+    settings.register_profile(
+        "long", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 10_000)), **_COMMON
+    )
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

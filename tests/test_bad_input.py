@@ -441,3 +441,11 @@ def test_error_in_a_captured_piece_on_its_capture_step_does_not_disable_capture(
     piece = backend.runtimes[0].pieces[-1]
     assert piece.failed is None
     assert any(e.graph.captured for e in piece.entries.values())
+
+
+def test_splitting_op_with_an_overload_that_does_not_exist_lists_the_real_ones():
+    with pytest.raises(ValueError) as info:
+        fxsplit.Backend(splitting_ops=["aten::topk.nosuchoverload"])
+    message = str(info.value)
+    assert "'aten::topk.nosuchoverload'" in message and "aten::topk.default" in message
+    fxsplit.Backend(splitting_ops=["aten::topk.values", "notyet::registered.default"])

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from expecttest import TestCase
 
-import fxsplit
-from fxsplit.tools import cli, dump, report
-from fxsplit.tools.diff import diff_splits
+TestCase = pytest.importorskip("expecttest").TestCase
+pytest.importorskip("rich")
+
+import fxsplit  # noqa: E402
+from fxsplit.tools import cli, dump, report  # noqa: E402
+from fxsplit.tools.diff import diff_splits  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -425,7 +425,7 @@ def test_two_backends_share_no_graphs_pools_or_stats_and_reset_clears_both():
     assert not {t.data_ptr() for t in rt_a.static_outputs.values()} & {
         t.data_ptr() for t in rt_b.static_outputs.values()
     }
-    assert backend_a._pools is not backend_b._pools
+    assert backend_a._captures is not backend_b._captures
     assert rt_a.capture_session is not rt_b.capture_session
     assert _replays(backend_a) == 2 * 2 and _replays(backend_b) == 2 * 4
     assert counters.snapshot()["replays"] == 2 * 2 + 2 * 4  # the process-wide sum
@@ -434,7 +434,7 @@ def test_two_backends_share_no_graphs_pools_or_stats_and_reset_clears_both():
     torch._dynamo.reset()
     for backend in (backend_a, backend_b):
         assert backend.plans == [] and backend.runtimes == [] and backend.stats == {}
-        assert backend._pools == {}
+        assert backend._captures == {}
     assert all(not p.entries for rt in (rt_a, rt_b) for p in rt.pieces)
     # recompiling starts from scratch: graph_0 again, warm-up and capture again, no replay of
     # anything captured before the reset

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
-from expecttest import TestCase
 
 import fxsplit
 from fxsplit.models import deepseek_v4, llama
 from tests.golden import compile_and_run, stitched_code
+
+TestCase = pytest.importorskip("expecttest").TestCase
 
 
 def _deepseek(runner: str):

@@ -35,9 +35,12 @@ from unittest import mock
 
 import pytest
 import torch
+from torch import nn
+
+pytest.importorskip("hypothesis")
+
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import fxsplit
 from fxsplit.runners import Runner
@@ -622,7 +625,11 @@ def run_case(case: Case) -> fxsplit.Backend:
                 yc.copy_(new_y)
             else:
                 xc, yc = x.clone(), (got[0] if fed else y.clone())
-            if fed:  # the previous step's output (the compiled side's may be a replay buffer)
+            if fed and persistent:
+                # the runner copied it into its (contiguous) buffer: eager gets the same layout,
+                # since vectorised kernels may round a layout's tail elements differently
+                ye = expected[0].clone(memory_format=torch.contiguous_format)
+            elif fed:  # the previous step's output (the compiled side's may be a replay buffer)
                 ye = expected[0]
             held = [
                 (t, snap)
@@ -778,3 +785,56 @@ def test_regression_v2_graph_after_a_graph_break_reads_a_fresh_tensor():
         ("unary", "tanh", 2),
     )
     run_case(Case(program, runner="v2"))
+
+
+def test_regression_v2_local_of_a_resumed_frame_is_not_a_runner_input():
+    """Found by the long profile: after a graph break, the resumed frame's list of registers
+    (``L['regs'][3]``) is a value the model computed; strict binding refused it when it moved."""
+    program = (
+        ("region", fxsplit.ATTN_PREP, (("unary", "relu", 0), ("inplace", "mul_", 0, 0))),
+        ("inplace_fresh", "mul_", 11, 9),
+        ("graph_break",),
+        (
+            "region",
+            fxsplit.SPARSE_INDEXER,
+            (
+                ("region", fxsplit.ATTN_PREP, (("write_view", "mT", "custom_packet", 11, 8),)),
+                ("module", 0, 11),
+                ("split", "unbind", 12),
+            ),
+        ),
+        ("intarg", 6),
+    )
+    run_case(
+        Case(
+            program,
+            outputs=(0,),
+            host_outputs=True,
+            sizes=(1, 2),
+            ints=(1, 1),
+            binding="strict",
+            warmup_runs=0,
+            seed=12907,
+            options={"max_captured_keys": 1, "clone_outputs": True, "capture_sizes": (1,)},
+        )
+    )
+
+
+def test_regression_v2_feedback_through_a_column_major_output():
+    """Found by the long profile: a harness bug, not fxsplit's. The fed-back output is column
+    major; the v2 runner copies it into its contiguous buffer, so eager must get the same layout
+    (sigmoid's vectorised tail rounds differently per layout)."""
+    program = (
+        (
+            "region",
+            CUSTOM_REGION,
+            (("write_view", "mT", "setitem", 13, 9), ("inplace", "add_", 0, 1)),
+        ),
+        ("unary", "sigmoid", 1),
+        ("region", CUSTOM_REGION, (("inplace_input", "add_", 0, 3), ("view", "tt", 0))),
+    )
+    run_case(
+        Case(
+            program, outputs=(4,), runner="v2", dynamic=False, sizes=(6, 3), feedback=True, seed=512
+        )
+    )

@@ -176,7 +176,67 @@ def test_graphs_of_one_backend_share_one_pool():
             x = torch.randn(n, 16, device="cuda")
             assert _close(model(x), net(x))
             model_other(x)
-    pools = [rt.pool for rt in backend.runtimes]
+    pools = [rt.device_capture for rt in backend.runtimes]
     assert len(pools) == 2 and pools[0] is not None and pools[0] is pools[1]
-    assert other.runtimes[0].pool is not pools[0]
+    assert other.runtimes[0].device_capture is not pools[0]
     assert sum(t["replays"] for t in _piece_totals(backend, "graph_1").values()) == 2
+
+
+@torch.library.custom_op("fxsplit_cuda::syncs", mutates_args=())
+def syncs(x: torch.Tensor) -> torch.Tensor:
+    """Reads a device value on the host inside its kernel: illegal under capture."""
+    return x * float(x.abs().max().item() > -1)
+
+
+@syncs.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _SyncNet(Net):
+    def forward(self, x):
+        h = torch.ops.fxsplit_cuda.syncs(self.a(x))
+        with fxsplit.region(MID):
+            h = torch.relu(h) + 1
+        return self.b(h)
+
+
+def test_failed_capture_leaves_the_pool_usable_for_every_other_piece():
+    torch.manual_seed(0)
+    net = _SyncNet().eval().requires_grad_(False).to("cuda")
+    backend = fxsplit.Backend(eager_regions=[MID])
+    model = torch.compile(net, backend=backend, dynamic=False, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4, 16, device="cuda")
+            assert _close(model(x), net(x))
+    pieces = backend.runtimes[0].pieces
+    failed = [p for p in pieces if p.failed is not None]
+    assert len(failed) == 1 and "capturing" in failed[0].failed.lower(), failed[0].failed
+    assert "previous error" not in failed[0].failed
+    replayed = [p for p in pieces if p.failed is None]
+    assert replayed and all(
+        sum(k["replays"] for k in p.stats.per_key.values()) >= 3 for p in replayed
+    )
+
+
+def test_recapture_after_weights_move_and_after_backend_reset():
+    net = _net()
+    backend = fxsplit.Backend(eager_regions=[MID])
+    model = torch.compile(net, backend=backend, dynamic=False, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(4, 16, device="cuda"))
+        net.load_state_dict({k: v.clone() * 0.5 for k, v in net.state_dict().items()}, assign=True)
+        for _ in range(4):
+            x = torch.randn(4, 16, device="cuda")
+            assert _close(model(x), net(x))
+        assert counters.snapshot()["recaptures"] == 1
+        torch._dynamo.reset()
+        counters.reset()
+        model = torch.compile(net, backend=backend, dynamic=False, fullgraph=True)
+        for _ in range(4):
+            x = torch.randn(4, 16, device="cuda")
+            assert _close(model(x), net(x))
+    assert counters.snapshot()["replays"] > 0
+    assert all(p.failed is None for p in backend.runtimes[0].pieces)

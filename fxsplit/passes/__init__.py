@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
 from torch.fx import GraphModule
 
 from fxsplit.passes import aliasing, mark, materialise, normalise, partition
@@ -68,6 +69,7 @@ def split(
             nodes=tuple(n.name for n in part.nodes),
             inputs=module.input_names,
             outputs=module.output_names,
+            devices=_devices(part.nodes),
             **({} if fact is None else fact.describe(module.input_names, module.output_names)),
         )
         for part, module, fact in zip(parts, done.pieces, facts, strict=True)
@@ -81,6 +83,19 @@ def split(
         split_seconds=time.perf_counter() - start,
     )
     return Split(plan, gm, marks, parts, done, facts)
+
+
+def _devices(nodes) -> tuple[str, ...]:
+    """Devices of the tensors a piece's nodes read and make (from Dynamo's example values)."""
+    found = set()
+    for node in nodes:
+        for value in (
+            node.meta.get("example_value"),
+            *(a.meta.get("example_value") for a in node.all_input_nodes),
+        ):
+            if isinstance(value, torch.Tensor):
+                found.add(str(value.device))
+    return tuple(sorted(found))
 
 
 def _aliasing(gm: GraphModule, parts, done) -> list[aliasing.PieceAliasing | None]:

@@ -206,15 +206,17 @@ def mark(graph: Graph, policy: Policy) -> Marks:
                 reasons.append(f"op:{name}")
         key = (op, target)
         try:
+            if getattr(target, "__module__", None) == "_operator":
+                raise TypeError  # named per argument kinds (ops.operator_op), not per target
             unsafe, trivial = by_target[key]
         except KeyError:
             unsafe, trivial = by_target[key] = (unsafe_op(node), _trivial_target(node))
-        except TypeError:  # an unhashable target
+        except TypeError:  # an unhashable target, or a Python operator
             unsafe, trivial = unsafe_op(node), _trivial_target(node)
-        if unsafe is None and (
-            meta.get("unbacked_bindings") or (on_accelerator and _copies_to_host(node, value))
-        ):
+        if unsafe is None and meta.get("unbacked_bindings"):
             unsafe = op_name(node) or str(target)
+        if unsafe is None and on_accelerator and _host_work(node, value):
+            unsafe = f"{op_name(node) or getattr(target, '__name__', target)} (host tensor)"
         if unsafe is not None:
             reasons.append(f"unsafe:{unsafe}")
         if regions:
@@ -230,10 +232,14 @@ def mark(graph: Graph, policy: Policy) -> Marks:
     return marks
 
 
-def _copies_to_host(node: Node, value: object) -> bool:
-    if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
-        return False
+def _host_work(node: Node, value: object) -> bool:
+    """In a graph on an accelerator, whether ``node`` makes or reads a CPU tensor: a
+    device-to-host copy (a sync), a host-to-device copy (illegal under capture), or CPU work
+    that a captured graph would run once at capture and freeze (a CPU scalar tensor read by a
+    device kernel is read on the host at launch). Such nodes run eagerly."""
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        return True
     return any(
-        isinstance(v := a.meta.get("example_value"), torch.Tensor) and v.device.type != "cpu"
+        isinstance(v := a.meta.get("example_value"), torch.Tensor) and v.device.type == "cpu"
         for a in node.all_input_nodes
     )

@@ -57,14 +57,19 @@ def op_names(node: Node) -> tuple[str, str | None] | None:
     """``("ns::op", overload)`` for a call node, overload None when the target names no overload.
 
     OpOverloadPacket targets, torch-level functions and Tensor methods have no overload; an
-    OpOverload's default overload is ``"default"``. Returns None for nodes that are not ops
-    (placeholders, outputs, Python builtins such as ``operator.getitem``).
+    OpOverload's default overload is ``"default"``. A Python operator on tensors (``x * 0.5``
+    is recorded as ``operator.mul``, ``x[1:]`` as ``operator.getitem``) is named after the aten
+    op it dispatches to (see :func:`operator_op`). Returns None for nodes that are not ops
+    (placeholders, outputs, Python operators on non-tensors).
     """
     target = node.target
     if node.op == "call_method":
         return f"aten::{target}", None
     if node.op != "call_function":
         return None
+    if getattr(target, "__module__", None) == "_operator":
+        name = operator_op(node)
+        return None if name is None else (name, None)
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name, target._overloadname
     if isinstance(target, torch._ops.OpOverloadPacket):
@@ -74,6 +79,95 @@ def op_names(node: Node) -> tuple[str, str | None] | None:
     if name and module.startswith("torch") and not module.startswith("torch.fx"):
         return f"aten::{name}", None
     return None
+
+
+_OPERATOR_OPS: dict[tuple, str | None] = {}
+
+
+def _kind(value: object) -> object:
+    if isinstance(value, Node):
+        value = value.meta.get("example_value")
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.dim())
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_kind(v) for v in value))
+    return type(value).__name__
+
+
+def operator_op(node: Node) -> str | None:
+    """The aten op (``"ns::op"``) a Python-operator node on tensors stands for: the aten op of
+    the operator's own name where aten has one (``operator.matmul`` is ``aten::matmul``, which
+    dispatch would only show decomposed), else the op it dispatches to, found by running the
+    operator once on fake tensors shaped like its arguments under a dispatch mode that records
+    the first op (``operator.truediv`` is ``aten::div``, ``x[idx]`` is ``aten::index``). None
+    when no argument is a tensor (``operator.add`` of two SymInts) or nothing dispatches. Cached
+    per operator and argument kinds (types, dtypes, ranks)."""
+    key = (node.target, tuple(_kind(a) for a in node.args))
+    try:
+        return _OPERATOR_OPS[key]
+    except KeyError:
+        pass
+    if not any(isinstance(k, tuple) and k[0] == "tensor" for k in key[1]):
+        found = None
+    elif _takes_tensors(node.target.__name__):
+        found = f"aten::{node.target.__name__}"
+    else:
+        found = _dispatch_first(node)
+    _OPERATOR_OPS[key] = found
+    return found
+
+
+def _takes_tensors(name: str) -> bool:
+    """Whether aten has an op of this name with an overload whose first argument is a Tensor
+    (``aten::floordiv`` exists, for ints only)."""
+    packet = getattr(torch.ops.aten, name, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    return any(
+        (args := getattr(packet, overload)._schema.arguments)
+        and isinstance(args[0].type, torch.TensorType)
+        for overload in packet.overloads()
+    )
+
+
+def _dispatch_first(node: Node) -> str | None:
+    from torch._guards import detect_fake_mode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tensors = [
+        v
+        for a in node.all_input_nodes
+        if isinstance(v := a.meta.get("example_value"), torch.Tensor)
+    ]
+    if not tensors:
+        return None
+    fake_mode = detect_fake_mode(tensors)
+    if fake_mode is None:
+        return None
+    seen: list[str] = []
+
+    class _First(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not seen and func.namespace != "prim":  # prim:: ops are metadata queries
+                seen.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    def fresh(a):
+        value = a.meta.get("example_value")
+        if isinstance(value, torch.Tensor):  # own storage: in-place operators write nothing
+            return torch.empty_strided(
+                value.shape, value.stride(), dtype=value.dtype, device=value.device
+            )
+        return value
+
+    try:
+        with fake_mode:
+            args = torch.fx.node.map_arg(node.args, fresh)
+            with _First():
+                node.target(*args)
+    except Exception:  # an operator the fake run cannot take: no name rather than a wrong one
+        return None
+    return seen[0] if seen else None
 
 
 def op_name(node: Node) -> str | None:
@@ -114,6 +208,8 @@ class OpMatcher:
 
     def match(self, node: Node) -> str | None:
         """The configured name ``node`` matches, or None."""
+        if getattr(node.target, "__module__", None) == "_operator":
+            return self._match(node)  # named per argument kinds, see operator_op
         key = (node.op, node.target)
         try:
             return self._cache[key]

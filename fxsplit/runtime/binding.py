@@ -19,8 +19,9 @@ Input kinds (:attr:`InputSpec.kind`), known at split time:
 - ``PARAM``: a parameter, buffer or ``mark_static_address`` tensor (Dynamo's static inputs). Never
   copied; its address is checked once per step and a move recaptures.
 - ``RUNNER``: a tensor the caller hands in each call.
-- ``INTERNAL``: a value the caller never handed in: an earlier piece's output, or a stack value
-  of a graph Dynamo resumed after a graph break (source ``L['___stack<i>']``).
+- ``INTERNAL``: a value the caller never handed in: an earlier piece's output, or a tensor
+  argument of a frame Dynamo resumed after a graph break (its stack values ``L['___stack<i>']``
+  and live locals were computed by the model).
 - ``HOST``: a Python int/float/bool or SymInt: part of the capture key, frozen by a replay.
 
 How a tensor input is bound (:class:`Bind`) is decided at capture from the kind, the
@@ -143,6 +144,8 @@ def classify(
     producer: dict[Node, str],
     written: frozenset[int] = frozenset(),
     volatile: frozenset[str] = frozenset(),
+    *,
+    resumed: bool = False,
 ) -> list[InputSpec]:
     """Describe each input of a captured piece.
 
@@ -152,6 +155,9 @@ def classify(
         written: indices of the inputs the piece writes (:attr:`PieceAliasing.written`).
         volatile: names of static-input placeholders the model rebinds every step (``self.t =
             self.t + 1``): fxsplit's to copy, like values the caller never handed in.
+        resumed: the graph belongs to a frame Dynamo resumed after a graph break, whose tensor
+            arguments are the model's live values (stack slots and locals), not the caller's:
+            all are fxsplit's to copy.
     """
     specs = []
     for i, node in enumerate(inputs):
@@ -163,7 +169,7 @@ def classify(
             source = str(grapharg.source.name if grapharg is not None else node.target)
             if not is_tensor:
                 kind = HOST
-            elif node.name in volatile or _STACK_SOURCE.match(source):
+            elif resumed or node.name in volatile or _STACK_SOURCE.match(source):
                 kind = INTERNAL
             else:
                 kind = PARAM if is_static_input(node) else RUNNER

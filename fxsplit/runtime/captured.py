@@ -55,6 +55,7 @@ class _Entry:
         "groups",
         "key",
         "outputs",
+        "regions",
         "statics",
         "synced",
         "views",
@@ -77,6 +78,7 @@ class _Entry:
         self.views = views
         self.written: tuple = ()
         self.groups: tuple[int, ...] = ()
+        self.regions: dict[int, torch.Tensor] = {}
 
 
 class CapturedPiece(torch.nn.Module):
@@ -88,12 +90,12 @@ class CapturedPiece(torch.nn.Module):
         specs: one :class:`~fxsplit.runtime.binding.InputSpec` per input.
         key_reads: what the capture key reads (:func:`fxsplit.runtime.binding.key_reads`).
         aliasing: what the piece writes and aliases (:mod:`fxsplit.passes.aliasing`).
-        regions: region names of the piece (for error messages).
+        plan_piece: the :class:`~fxsplit.plan.Piece` (regions for messages, devices).
         runtime: the :class:`~fxsplit.runtime.graph_runtime.GraphRuntime` that owns it.
     """
 
     def __init__(
-        self, piece, specs: list[InputSpec], key_reads, aliasing: PieceAliasing, regions, runtime
+        self, piece, specs: list[InputSpec], key_reads, aliasing: PieceAliasing, plan_piece, runtime
     ):
         super().__init__()
         self.name = piece.name
@@ -102,11 +104,11 @@ class CapturedPiece(torch.nn.Module):
         self.run_uncaptured = piece.forward
         self.specs = specs
         self.aliasing = aliasing
-        self.regions = frozenset(regions)
+        self.regions = frozenset(plan_piece.regions)
         self.runtime = runtime
         self.entries: dict[tuple, _Entry] = {}
         self.warmups: dict[tuple, int] = {}
-        self.failed: str | None = _never_captured(self.name, specs, aliasing)
+        self.failed: str | None = _never_captured(specs, aliasing, plan_piece.devices)
         if self.failed is not None:
             log.warning("fxsplit: %s runs uncaptured: %s", self.name, self.failed)
         self._refusals: set[str] = set()
@@ -155,9 +157,23 @@ class CapturedPiece(torch.nn.Module):
                     )
                 raise self._moved(i, value, ptr)
             mark = synced[i]
-            if mark is not None and mark[0]() is value and mark[1] == value._version:
+            if (
+                mark is not None
+                and mark[0]() is value
+                and mark[1] == value._version
+                and mark[2] == value.data_ptr()
+            ):
                 continue
-            static.copy_(value)
+            region = entry.regions.get(i)
+            if region is None:
+                static.copy_(value)
+            elif value.stride() == static.stride():
+                region.copy_(value.as_strided(region.shape, (1,), value.storage_offset()))
+            else:
+                raise _Refused(
+                    f"input {self.specs[i].name!r} overlaps itself (e.g. expanded) and this "
+                    "call's strides differ from the capture's"
+                )
             synced[i] = self.runtime.session.sync_mark(value)
             counts = entry.counts
             counts["input_copies"] += 1
@@ -168,7 +184,8 @@ class CapturedPiece(torch.nn.Module):
         if entry.groups:
             _check_aliasing(self.specs, entry, inputs)
         statics = entry.statics
-        for _, i, _, _, _ in entry.views:
+        for view in entry.views:
+            i = view[1]
             if inputs[i] is not statics[i] and inputs[i].stride() != statics[i].stride():
                 raise _Refused(
                     f"an output is a view of input {self.specs[i].name!r}, whose strides differ "
@@ -189,14 +206,10 @@ class CapturedPiece(torch.nn.Module):
             return entry.outputs
         single = not isinstance(entry.outputs, tuple)
         outputs = [entry.outputs] if single else list(entry.outputs)
-        for j, i, size, stride, offset in entry.views:
+        for j, i, size, stride, offset, dtype, conj, neg in entry.views:
             value = inputs[i]
-            if value is entry.statics[i]:
-                continue
-            if offset == 0 and size == value.shape and stride == value.stride():
-                outputs[j] = value
-            else:
-                outputs[j] = value.as_strided(size, stride, value.storage_offset() + offset)
+            if value is not entry.statics[i]:
+                outputs[j] = _rebuild(value, size, stride, offset, dtype, conj, neg)
         return outputs[0] if single else tuple(outputs)
 
     def _uncaptured(self, inputs, key):
@@ -248,7 +261,7 @@ class CapturedPiece(torch.nn.Module):
         """
         runtime = self.runtime
         session = runtime.session
-        binds, statics = [], []
+        binds, statics, regions = [], [], {}
         for spec, value in zip(self.specs, inputs, strict=True):
             if not isinstance(value, torch.Tensor):
                 binds.append(Bind.HOST)
@@ -259,16 +272,18 @@ class CapturedPiece(torch.nn.Module):
             else:
                 bind = binding.bind(spec, runtime.binding, session.produced(value))
             binds.append(bind)
-            statics.append(
-                _own_buffer(value)
-                if bind == _OWN and id(value) not in runtime.static_outputs
-                else value
-            )
+            if bind == _OWN and id(value) not in runtime.static_outputs:
+                static, region = _own_buffer(value)
+                if region is not None:
+                    regions[len(statics)] = region
+                statics.append(static)
+            else:
+                statics.append(value)
         written = [i for i, spec in enumerate(self.specs) if spec.written]
         groups = _alias_groups(statics, inputs, binds, written)
         if groups:
             _check_aliasing(self.specs, None, inputs, groups, binds)
-        graph = new_graph(runtime.mode, runtime.pool, runtime.device)
+        graph = new_graph(runtime.mode, runtime.device_capture)
         # The emulator runs the piece while recording; if the capture then fails, the fallback
         # run must find what the piece writes as it was (a CUDA capture executes nothing).
         saved = (
@@ -289,12 +304,13 @@ class CapturedPiece(torch.nn.Module):
                 static.copy_(copy)
             graph.reset()
             raise
-        views = self._views(outputs, statics, binds, inputs)
+        views = self._views(outputs, statics, binds)
         for out, base in zip(_flat(outputs), self.aliasing.output_bases, strict=False):
-            if isinstance(out, torch.Tensor):
+            if isinstance(out, torch.Tensor) and base is None:
+                # fxsplit's own memory: later pieces read it where it is (a view of a caller's
+                # tensor or parameter is never bound that way: a copy into it would write there)
                 runtime.static_outputs[id(out)] = out
-                if base is None or binds[base] == _OWN:
-                    session.own(runtime, out)
+                session.own(runtime, out)
         capture_ptrs = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else None for v in inputs)
         entry = _Entry(
             key, graph, statics, outputs, binds, views, self.stats.key(key), capture_ptrs
@@ -303,31 +319,28 @@ class CapturedPiece(torch.nn.Module):
             (i, statics[i], binds[i]) for i in written if isinstance(statics[i], torch.Tensor)
         )
         entry.groups = groups
+        entry.regions = regions
         for i, bind in enumerate(binds):
             if bind == _OWN and inputs[i] is not statics[i]:
                 entry.synced[i] = session.sync_mark(inputs[i])
         return entry
 
-    def _views(self, outputs, statics, binds, inputs) -> tuple:
-        """``(j, i, size, stride, offset)`` per output that is a view of an OWN input ``i``:
-        eagerly it aliases the caller's tensor, so each replay rebuilds it over that tensor.
-
-        Raises:
-            RuntimeError: the input's own buffer could not keep the caller's strides (an input
-                with overlapping memory, e.g. expanded), so the view cannot be mapped back.
-        """
+    def _views(self, outputs, statics, binds) -> tuple:
+        """``(j, i, size, stride, offset, dtype, conj, neg)`` per output that is a view of an
+        OWN input ``i``: eagerly it aliases the caller's tensor, so each replay rebuilds it over
+        that tensor (:func:`_rebuild`). ``offset`` counts elements of the output's dtype from
+        the input's start; ``dtype`` is None where the view keeps the input's dtype."""
         views = []
-        for j, (out, i) in enumerate(zip(_flat(outputs), self.aliasing.output_bases, strict=False)):
+        bases = self.aliasing.output_bases
+        for j, (out, i) in enumerate(zip(_flat(outputs), bases, strict=False)):
             if i is None or binds[i] != _OWN or not isinstance(out, torch.Tensor):
                 continue
             static = statics[i]
-            if static.stride() != inputs[i].stride():
-                raise RuntimeError(
-                    f"{self.name}: an output is a view of input {self.specs[i].name!r}, whose "
-                    "memory overlaps itself; fxsplit's copy cannot keep that view"
-                )
-            offset = out.storage_offset() - static.storage_offset()
-            views.append((j, i, tuple(out.shape), tuple(out.stride()), offset))
+            start = out.storage_offset() * out.element_size()
+            offset = (start - static.storage_offset() * static.element_size()) // out.element_size()
+            dtype = None if out.dtype == static.dtype else out.dtype
+            shape, strides = tuple(out.shape), tuple(out.stride())
+            views.append((j, i, shape, strides, offset, dtype, out.is_conj(), out.is_neg()))
         return tuple(views)
 
     def _moved(self, i: int, value, ptr: int) -> BindingError:
@@ -366,8 +379,14 @@ class CapturedPiece(torch.nn.Module):
         return got
 
 
-def _never_captured(name: str, specs: list[InputSpec], aliasing: PieceAliasing) -> str | None:
-    """Why a piece can never be captured, from its aliasing facts; None when it can."""
+def _never_captured(specs: list[InputSpec], aliasing: PieceAliasing, devices) -> str | None:
+    """Why a piece can never be captured, from its facts; None when it can."""
+    accelerators = [d for d in devices if d != "cpu"]
+    if len(accelerators) > 1:
+        return (
+            f"its tensors span devices {', '.join(accelerators)}; a graph captures the work of "
+            "one device, so the others' work would be missing from every replay"
+        )
     if aliasing.error is not None:
         return aliasing.error
     if aliasing.metadata_written:
@@ -379,28 +398,44 @@ def _never_captured(name: str, specs: list[InputSpec], aliasing: PieceAliasing) 
     return None
 
 
-def _own_buffer(value: torch.Tensor) -> torch.Tensor:
+def _own_buffer(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fxsplit's static buffer for ``value``: same size, strides and address alignment (so
     vectorised reductions split the data the same way and replay bit-exactly, and views map
-    back), contiguous where the strides overlap themselves; requires grad where ``value`` does.
-    """
-    if _overlaps(value):
-        return (
-            value.detach()
-            .clone(memory_format=torch.contiguous_format)
-            .requires_grad_(value.requires_grad)
-        )
+    back); requires grad where ``value`` does. For a ``value`` whose elements share memory
+    (expanded), also the flat region under it, which copies go through (an elementwise copy
+    into overlapping memory is an error)."""
     # Same start offset modulo 512 elements as the caller's tensor: allocations are aligned to
     # at most 512 bytes, so the data pointer lands on the same alignment.
     pad = value.storage_offset() % 512
     extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride(), strict=True))
-    flat = torch.empty(
-        pad + (extent if value.numel() else 0), dtype=value.dtype, device=value.device
-    )
+    extent = extent if value.numel() else 0
+    flat = torch.empty(pad + extent, dtype=value.dtype, device=value.device)
+    region = None
     with torch.no_grad():
-        buffer = flat.as_strided(value.size(), value.stride(), pad).copy_(value)
+        buffer = flat.as_strided(value.size(), value.stride(), pad)
+        if _overlaps(value):
+            region = flat[pad:]
+            region.copy_(value.as_strided((extent,), (1,), value.storage_offset()))
+        else:
+            buffer.copy_(value)
     # A piece that enables grad must see what eager sees, so its capture can refuse.
-    return buffer.requires_grad_(value.requires_grad)
+    return buffer.requires_grad_(value.requires_grad), region
+
+
+def _rebuild(value, size, stride, offset, dtype, conj, neg) -> torch.Tensor:
+    """The view an output had of its input at capture, over the caller's tensor ``value``
+    instead of fxsplit's copy: a real view (shared version counter), in the output's dtype,
+    with its conjugate and negative bits."""
+    base = value if dtype is None else value.view(dtype)
+    if offset == 0 and size == base.shape and stride == base.stride():
+        view = base
+    else:
+        view = base.as_strided(size, stride, base.storage_offset() + offset)
+    if view.is_conj() != conj:
+        view = view.conj()
+    if view.is_neg() != neg:
+        view = torch._neg_view(view)
+    return view
 
 
 def _overlaps(value: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ import gc
 import logging
 import warnings
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -68,15 +69,16 @@ class CaptureSession:
         self.outputs.pop(id(graph), None)
 
     def sync_mark(self, tensor: torch.Tensor) -> tuple | None:
-        """``(weak reference, version)`` of a value just copied into a static buffer, telling
-        the next call whether it changed since; None where the version counter cannot tell
-        (inference tensors have none; fxsplit's own buffers change by replay, unseen)."""
+        """``(weak reference, version, data pointer)`` of a value just copied into a static
+        buffer, telling the next call whether it changed since; None where the version counter
+        cannot tell (inference tensors have none; fxsplit's own buffers change by replay,
+        unseen)."""
         if tensor.is_inference():
             return None
         ptr = tensor.untyped_storage().data_ptr()
         if any(ptr in s for s in self.storages.values()):
             return None
-        return weakref.ref(tensor), tensor._version
+        return weakref.ref(tensor), tensor._version, tensor.data_ptr()
 
     def enter(self) -> None:
         """Open a (possibly nested) session; collects nothing yet."""
@@ -106,6 +108,20 @@ class CaptureSession:
             self.exit()
 
 
+@dataclass(frozen=True)
+class Frame:
+    """The Python frame a graph was compiled from.
+
+    Attributes:
+        arg_names: its argument names in signature order (where the size input is looked up).
+        resumed: a frame Dynamo resumes after a graph break: its arguments are the live values
+            of the model at the break, not tensors the caller handed in.
+    """
+
+    arg_names: tuple[str, ...]
+    resumed: bool = False
+
+
 class GraphRuntime:
     """The callable Dynamo runs for one graph when capture is ``"cuda"`` or ``"emulate"``.
 
@@ -115,11 +131,11 @@ class GraphRuntime:
         config: the options it was compiled with.
         mode: ``"cuda"`` or ``"emulate"``.
         example_inputs: Dynamo's example inputs (locate the size input and parameters).
-        pool: memory pool handle shared by the backend's graphs on this device (CUDA only).
+        device_capture: the memory pool and capture stream shared by the backend's graphs on
+            this device (:class:`~fxsplit.runtime.graphs.DeviceCapture`; CUDA only, else None).
         device: the device of the graph's tensors.
         session: the backend's :class:`CaptureSession`.
-        arg_names: the compiled frame's argument names in signature order (where the size
-            input is looked up); None when unknown.
+        frame: the compiled :class:`Frame`; None when unknown.
 
     Attributes:
         pieces: the :class:`CapturedPiece` objects, in order.
@@ -131,15 +147,15 @@ class GraphRuntime:
         config: Config,
         mode,
         example_inputs,
-        pool,
+        device_capture,
         device,
         session,
-        arg_names: tuple[str, ...] | None = None,
+        frame: Frame | None = None,
     ):
         self.split = split
         self.graph_id = split.plan.graph_id
         self.mode = mode
-        self.pool = pool
+        self.device_capture = device_capture
         self.device = device
         self.capture_session = self.session = session
         self.binding = config.binding
@@ -168,8 +184,13 @@ class GraphRuntime:
         ]
         self._param_ptrs: tuple | None = None
         self._size_index = _size_input(
-            self._placeholders, example_inputs, self._params, arg_names, config.size_input
+            self._placeholders,
+            example_inputs,
+            self._params,
+            frame.arg_names if frame is not None else None,
+            config.size_input,
         )
+        self._resumed = frame is not None and frame.resumed
         self._stitched = stitched
         self.pieces = self._install()
         self._forward = stitched.forward
@@ -219,9 +240,11 @@ class GraphRuntime:
                 if facts is None:
                     facts = PieceAliasing(error="the split ran without the aliasing analysis")
                 inputs = [nodes[name] for name in module.input_names]
-                specs = binding.classify(inputs, producer, facts.written, volatile)
+                specs = binding.classify(
+                    inputs, producer, facts.written, volatile, resumed=self._resumed
+                )
                 reads = binding.key_reads(specs, inputs)
-                captured = CapturedPiece(module, specs, reads, facts, plan_piece.regions, self)
+                captured = CapturedPiece(module, specs, reads, facts, plan_piece, self)
                 materialise.bind_piece(self._stitched, captured)
                 pieces.append(captured)
             for name in module.output_names:
@@ -230,6 +253,7 @@ class GraphRuntime:
 
     def __call__(self, *args):
         self._steps += 1
+        handed = None
         self.capture_step = self._may_capture(args)
         if self.capture_step:
             if self._params:
@@ -239,14 +263,19 @@ class GraphRuntime:
                 for i in self._runner_inputs:
                     if args[i].untyped_storage().data_ptr() in owned:
                         # An earlier output (or a view of one) handed back in: this step's
-                        # replays overwrite it before it is read, so read a private copy.
-                        args = (*args[:i], args[i].clone(), *args[i + 1 :])
+                        # replays overwrite it before it is read, so the step reads and writes
+                        # a private copy, handed back afterwards (see _hand_back).
+                        handed = [] if handed is None else handed
+                        handed.append((args[i], args[i].clone()))
+                        args = (*args[:i], handed[-1][1], *args[i + 1 :])
         session = self.capture_session
         session.enter()
         try:
             out = self._forward(*args)
         finally:
             session.exit()
+        if handed is not None:
+            out = _hand_back(out, handed)
         session.outputs[id(self)] = frozenset(
             o.untyped_storage().data_ptr() for o in out if isinstance(o, torch.Tensor)
         )
@@ -358,6 +387,8 @@ class GraphRuntime:
             piece.warmups.clear()
         self.static_outputs.clear()
         self.session.forget(self)
+        if dropped and self.device_capture is not None:
+            self.device_capture.renew(f"{self.graph_id} reset")
         return dropped
 
 
@@ -402,6 +433,23 @@ def _argument(node) -> str | None:
     return None
 
 
+def _hand_back(out: tuple, handed: list) -> tuple:
+    """After a step that read private copies of earlier outputs handed back in: outputs that
+    live in the same buffers are cloned (the caller or the model may hold the handed-in
+    tensor, e.g. a buffer Dynamo re-assigns), then each handed-in tensor gets its copy's value
+    back, the model's writes to it included, as eager would leave it."""
+    storages = {original.untyped_storage().data_ptr() for original, _ in handed}
+    out = tuple(
+        o.clone()
+        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in storages
+        else o
+        for o in out
+    )
+    for original, copy in handed:
+        original.copy_(copy)
+    return out
+
+
 def _clone_owned(out: tuple, owned: set[int]) -> tuple:
     """Clones of the outputs in fxsplit's static buffers (the next replay overwrites those);
     outputs sharing one buffer get views of one clone, keeping eager's aliasing between them.
@@ -421,8 +469,13 @@ def _clone_owned(out: tuple, owned: set[int]) -> tuple:
         if copy is None:
             copy = clones[ptr] = storage.clone()
         view = torch.empty(0, dtype=o.dtype, device=o.device)
-        result.append(view.set_(copy, o.storage_offset(), o.size(), o.stride()))
+        view = view.set_(copy, o.storage_offset(), o.size(), o.stride())
+        if o.is_conj():
+            view = view.conj()
+        if o.is_neg():
+            view = torch._neg_view(view)
+        result.append(view)
     return tuple(result)
 
 
-__all__ = ["CaptureSession", "GraphRuntime", "PieceStats"]
+__all__ = ["CaptureSession", "Frame", "GraphRuntime", "PieceStats"]

@@ -1,67 +1,135 @@
 """Graph objects behind a captured piece: CUDA/HIP graphs or the CPU emulator, one interface.
 
-Both give ``capture(fn, *args) -> outputs`` (outputs already hold ``fn(*args)``'s result) and
-``replay()`` (recomputes into the same outputs from whatever the captured input tensors hold).
+Both give ``capture(fn, *args) -> outputs`` (outputs already hold ``fn(*args)``'s result),
+``replay()`` (recomputes into the same outputs from whatever the captured input tensors hold) and
+``reset()``. CUDA graphs of one backend and device share a :class:`DeviceCapture`: one memory
+pool and one capture stream, as Inductor's cudagraph trees and the serving engines do.
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
 
 import torch
 
 from fxsplit.runtime.emulator import CaptureError, EmulatedGraph
 
-__all__ = ["CaptureError", "CudaGraph", "EmulatedGraph", "new_graph"]
+__all__ = ["CaptureError", "CudaGraph", "DeviceCapture", "EmulatedGraph", "new_graph"]
+
+log = logging.getLogger("fxsplit")
+
+
+class DeviceCapture:
+    """What every CUDA/HIP graph of one backend on one device shares: a memory pool handle and
+    the stream all warmups and captures run on.
+
+    One stream, because the caching allocator reuses memory per stream (a new side stream per
+    capture gets new scratch memory and cuBLAS workspaces) and because graphs sharing a pool are
+    only safe when replayed in capture order, which one stream keeps.
+
+    The pool is replaced by a fresh handle (:meth:`renew`) after a failed capture (the old pool
+    may still be marked as being captured into) and when the backend's graphs are reset (a pool
+    whose graphs were all freed must not be captured into again).
+
+    Args:
+        device: a CUDA device (``torch.device("cuda", i)``).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+        self.renewals = 0
+
+    def renew(self, reason: str) -> None:
+        """Take a fresh pool handle; graphs captured earlier keep the old pool alive."""
+        self.pool = torch.cuda.graph_pool_handle()
+        self.renewals += 1
+        log.info("fxsplit: new capture memory pool on %s (%s)", self.device, reason)
+
+
+def _end_allocating(device: torch.device, pool) -> None:
+    """Tell the caching allocator that capture into ``pool`` ended (``capture_end`` raises
+    before doing so when the capture was invalidated)."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is not None:
+        with contextlib.suppress(RuntimeError):  # it was already told
+            end(device.index if device.index is not None else 0, pool)
 
 
 class CudaGraph:
     """A ``torch.cuda.CUDAGraph`` (a hipGraph on ROCm) captured into a shared memory pool.
 
-    Capture runs on a side stream (capture on the default stream is illegal) and the current
-    stream then waits for it; replay is launched on the current stream. Unlike
-    ``torch.cuda.graph``, entering a capture does not run ``gc.collect()`` or empty the cache:
-    the backend collects garbage once per capture session instead of once per piece.
+    Capture runs on the device's capture stream (capture on the default stream is illegal) with
+    ``capture_error_mode="thread_local"`` (another thread's CUDA work cannot break it) under a
+    device guard; the current stream then waits for it. Unlike ``torch.cuda.graph``, entering a
+    capture does not run ``gc.collect()`` or empty the cache: the backend collects garbage once
+    per capture session instead of once per piece.
 
     Args:
-        pool: a handle from ``torch.cuda.graph_pool_handle()`` shared by every graph of a backend
-            on this device.
-        device: the CUDA device of the piece's tensors.
+        capture: the backend's :class:`DeviceCapture` for the piece's device.
     """
 
-    def __init__(self, pool, device: torch.device):
+    def __init__(self, capture: DeviceCapture):
         self._graph = torch.cuda.CUDAGraph()
-        self._pool = pool
-        self._device = device
+        self._capture = capture
+        self._index = capture.device.index if capture.device.index is not None else 0
 
     def capture(self, fn, *args):
         """Capture ``fn(*args)`` and replay it once so the outputs hold this call's result.
 
         Raises:
-            RuntimeError: torch's error when ``fn`` runs an op illegal under capture.
+            the exception ``fn`` raised (an op illegal under capture, a model error), never the
+            follow-up "operation failed due to a previous error during capture"; the pool is
+            then released and replaced, so later captures of other pieces still work.
         """
-        current = torch.cuda.current_stream(self._device)
-        side = torch.cuda.Stream(self._device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self._graph.capture_begin(pool=self._pool)
-            try:
-                outputs = fn(*args)
-            finally:
-                self._graph.capture_end()
-        current.wait_stream(side)
-        self._graph.replay()
+        shared = self._capture
+        pool = shared.pool
+        with torch.cuda.device(self._index):
+            current = torch.cuda.current_stream()
+            shared.stream.wait_stream(current)
+            with torch.cuda.stream(shared.stream):
+                self._graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    outputs = fn(*args)
+                except BaseException:
+                    self._abandon(pool, ended=False)
+                    raise
+                try:
+                    self._graph.capture_end()
+                except BaseException:
+                    self._abandon(pool, ended=True)
+                    raise
+            current.wait_stream(shared.stream)
+            self._graph.replay()
         return outputs
 
+    def _abandon(self, pool, ended: bool) -> None:
+        """After a failed capture: end it, release the pool's recording, take a fresh pool."""
+        if not ended:
+            with contextlib.suppress(RuntimeError):  # invalidated: its own error is secondary
+                self._graph.capture_end()
+        _end_allocating(self._capture.device, pool)
+        with contextlib.suppress(RuntimeError):
+            self._graph.reset()
+        self._capture.renew("a capture failed")
+
     def replay(self) -> None:
-        """Launch the graph on the current stream."""
-        self._graph.replay()
+        """Launch the graph on the current stream (under a guard for another device)."""
+        if torch.cuda.current_device() == self._index:
+            self._graph.replay()
+        else:
+            with torch.cuda.device(self._index):
+                self._graph.replay()
 
     def reset(self) -> None:
         """Free the graph (its pool memory returns to the pool)."""
         self._graph.reset()
 
 
-def new_graph(mode: str, pool=None, device: torch.device | None = None):
-    """A fresh graph object for capture mode ``"cuda"`` or ``"emulate"``."""
+def new_graph(mode: str, capture: DeviceCapture | None = None):
+    """A fresh graph object for capture mode ``"cuda"`` (needs ``capture``) or ``"emulate"``."""
     if mode == "cuda":
-        return CudaGraph(pool, device)
+        return CudaGraph(capture)
     return EmulatedGraph()

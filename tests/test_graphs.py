@@ -1,0 +1,137 @@
+"""What fxsplit does around CUDA graph capture, tested on CPU: the decisions of
+:mod:`fxsplit.runtime.graphs` (which pool, which stream, what happens after a failed capture or a
+reset) with torch.cuda's objects replaced by recorders. The CUDA tests in
+``tests/test_runtime_cuda.py`` check the same on a real device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import itertools
+from typing import ClassVar
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit import counters
+from fxsplit.runtime import graphs
+
+
+class _Stream:
+    def __init__(self, device=None):
+        self.waited: list[object] = []
+
+    def wait_stream(self, other):
+        self.waited.append(other)
+
+
+class _Graph:
+    """Records what a torch.cuda.CUDAGraph is asked to do; ``fail_end`` makes capture_end raise
+    like an invalidated capture."""
+
+    made: ClassVar[list[_Graph]] = []
+    fail_end = False
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        _Graph.made.append(self)
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        self.calls.append(("begin", pool, capture_error_mode))
+
+    def capture_end(self):
+        self.calls.append(("end",))
+        if _Graph.fail_end:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+    def replay(self):
+        self.calls.append(("replay",))
+
+    def reset(self):
+        self.calls.append(("reset",))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    pools = itertools.count(1)
+    ended: list[tuple] = []
+    current = _Stream()
+    _Graph.made.clear()
+    _Graph.fail_end = False
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", next(pools)))
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(
+        torch._C, "_cuda_endAllocateToPool", lambda d, p: ended.append((d, p)), raising=False
+    )
+    return ended
+
+
+def test_failed_capture_raises_the_original_error_and_moves_to_a_fresh_pool(fake_cuda):
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    first_pool = shared.pool
+
+    def illegal():
+        raise RuntimeError("operation not permitted when stream is capturing (.item())")
+
+    with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
+        graphs.CudaGraph(shared).capture(illegal)
+    failed = _Graph.made[-1]
+    assert failed.calls[0] == ("begin", first_pool, "thread_local")
+    assert ("end",) in failed.calls and ("reset",) in failed.calls
+    assert fake_cuda == [(0, first_pool)]  # the allocator stops recording into the old pool
+    assert shared.pool != first_pool and shared.renewals == 1
+
+    out = graphs.CudaGraph(shared).capture(lambda: "ok")  # the next capture works
+    assert out == "ok" and _Graph.made[-1].calls[0] == ("begin", shared.pool, "thread_local")
+
+
+def test_capture_end_failure_also_releases_and_renews_the_pool(fake_cuda):
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    first_pool = shared.pool
+    _Graph.fail_end = True
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        graphs.CudaGraph(shared).capture(lambda: "fn swallowed its own error")
+    assert fake_cuda == [(0, first_pool)] and shared.pool != first_pool
+
+
+def test_every_capture_on_a_device_uses_one_stream_and_one_pool(fake_cuda):
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    for _ in range(3):
+        graphs.CudaGraph(shared).capture(lambda: None)
+    assert {g.calls[0] for g in _Graph.made} == {("begin", shared.pool, "thread_local")}
+    assert len(shared.stream.waited) == 3 and shared.renewals == 0
+
+
+def test_reset_of_captured_graphs_takes_a_fresh_pool(fake_cuda, monkeypatch):
+    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
+    torch._dynamo.reset()
+    counters.reset()
+
+    @torch.library.custom_op("fxsplit_graphs::fresh", mutates_args=())
+    def fresh(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    fresh.register_fake(lambda x: torch.empty_like(x))
+
+    def f(x):
+        return torch.ops.fxsplit_graphs.fresh(x.sin()) + 1
+
+    backend = fxsplit.Backend(capture="emulate", splitting_ops=["fxsplit_graphs::fresh"])
+    model = torch.compile(f, backend=backend)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(3, 4))
+    runtime = backend.runtimes[0]
+    runtime.device_capture = shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    pool = shared.pool
+    assert runtime.reset() > 0
+    assert shared.pool != pool and shared.renewals == 1
+    assert runtime.reset() == 0 and shared.renewals == 1  # nothing dropped: pool kept
+    torch._dynamo.reset()
