@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import logging
 import threading
@@ -55,6 +56,15 @@ class Backend:
         self._lock = threading.Lock()
         self._matched: set[str] = set()
         self._warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        default = Config()
+        changed = [
+            f"{f.name}={getattr(self.config, f.name)!r}"
+            for f in dataclasses.fields(Config)
+            if getattr(self.config, f.name) != getattr(default, f.name)
+        ]
+        return f"fxsplit.Backend({', '.join(changed)})"
 
     def __call__(
         self,

@@ -88,7 +88,8 @@ class SplitPlan:
         head = (
             f"{self.graph_id} runner={self.runner} "
             f"eager_regions={','.join(sorted(self.eager_regions)) or '-'}: "
-            f"{len(self.pieces)} pieces, {len(self.captured)} captured, {len(self.eager)} eager"
+            f"{len(self.pieces)} piece{'s' if len(self.pieces) != 1 else ''}, "
+            f"{len(self.captured)} captured, {len(self.eager)} eager"
         )
         rows = [("piece", "kind", "ops", "regions", "reasons"), *self.rows()]
         widths = [max(len(r[i]) for r in rows) for i in range(4)]

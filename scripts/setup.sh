@@ -17,4 +17,7 @@ PY
 then
     python3 -m pip install -q "torch==2.13.0" ${FXSPLIT_TORCH_INDEX:+--index-url "$FXSPLIT_TORCH_INDEX"}
 fi
-python3 -m pip install -q -e ".[test]"
+# compat mode puts the repository root on sys.path (a .pth file): `import fxsplit` then finds
+# the package even from a folder holding a clone named fxsplit (a finder-based editable install
+# loses to that folder, which imports as an empty namespace package).
+python3 -m pip install -q -e ".[test]" --config-settings editable_mode=compat

@@ -100,3 +100,23 @@ def test_deepseek_v4_equals_eager_over_steps_for_both_runners():
         )
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
+
+
+def test_backend_repr_shows_non_default_options():
+    backend = fxsplit.Backend(runner="v2", capture="emulate")
+    assert repr(backend) == "fxsplit.Backend(runner='v2', capture='emulate')"
+    assert repr(fxsplit.Backend()) == "fxsplit.Backend()"
+
+
+def test_cli_version_and_subcommand_descriptions(capsys):
+    from fxsplit.tools import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.startswith("fxsplit ")
+    for command in ("demo", "dump", "diff"):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        usage, _, rest = capsys.readouterr().out.partition("\n\n")
+        assert usage.startswith(f"usage: fxsplit {command}"), command
+        assert rest.split("\n")[0].strip() and not rest.startswith("options"), command

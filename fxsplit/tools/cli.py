@@ -158,24 +158,32 @@ def _diff(args) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fxsplit")
+    except PackageNotFoundError:  # run from a source tree without installing
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fxsplit``; returns the exit status (2: bad command line)."""
     parser = argparse.ArgumentParser(prog="fxsplit", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fxsplit {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="compile the reference models and compare against eager")
+    demo_help = "compile the reference models under runners v1 and v2 and compare with eager"
+    commands.add_parser("demo", help=demo_help, description=demo_help)
     factory_help = "MODULE:FACTORY; FACTORY() returns (model, example_inputs)"
     options_help = 'fxsplit options as a JSON object, e.g. \'{"splitting_ops": ["aten::topk"]}\''
-    dump = commands.add_parser(
-        "dump",
-        help="plan a model without capturing, print the plan, write one dump folder per graph",
-    )
+    dump_help = "plan a model without capturing, print the plan, write one dump folder per graph"
+    dump = commands.add_parser("dump", help=dump_help, description=dump_help)
     dump.add_argument("factory", metavar="MODULE:FACTORY", help=factory_help)
     dump.add_argument("--runner", default=None, help="runner name (default: options' or v1)")
     dump.add_argument("--options", default=None, help=options_help)
     dump.add_argument("--out", default="fxsplit_dump", help="dump root (default: fxsplit_dump)")
-    diff = commands.add_parser(
-        "diff", help="plan a model under two runners and show what moved between eager/captured"
-    )
+    diff_help = "plan a model under two runners and show what moved between eager and captured"
+    diff = commands.add_parser("diff", help=diff_help, description=diff_help)
     diff.add_argument("factory", metavar="MODULE:FACTORY", help=factory_help)
     diff.add_argument(
         "--runner", action="append", help="runner of plan A, then of plan B (give it twice)"
