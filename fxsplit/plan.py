@@ -24,6 +24,7 @@ class Piece:
         metadata_writes: names of the inputs whose size or stride it changes in place.
         aliases: ``"output -> input"`` for each output that is a view of one of its inputs.
         devices: the devices of the tensors it reads and makes (``"cuda:0"``, ``"cpu"``).
+        random: it draws random numbers (an op tagged ``nondeterministic_seeded``).
     """
 
     name: str
@@ -38,6 +39,7 @@ class Piece:
     metadata_writes: tuple[str, ...] = ()
     aliases: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
+    random: bool = False
 
 
 @dataclass(frozen=True)

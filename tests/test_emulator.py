@@ -373,3 +373,28 @@ def test_replay_inside_capture_is_recorded():
     x.fill_(1.0)
     outer.replay()
     torch.testing.assert_close(z, torch.full((3,), 4.0))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.unsqueeze_(0).squeeze_(0),
+        lambda t: t.t_().t_(),
+        lambda t: t.transpose_(0, 1).transpose_(0, 1),
+        lambda t: t.as_strided_(t.shape, t.stride()),
+    ],
+)
+def test_in_place_metadata_changes_are_not_replayed(change):
+    def fn(x):
+        t = x * 2
+        change(t)
+        return t.sum(0) + x
+
+    x = torch.randn(3, 4)
+    g = EmulatedGraph()
+    out = g.capture(fn, x)
+    assert any(action == "skip:metadata" for _, action in g.actions)
+    for _ in range(3):
+        x.copy_(torch.randn(3, 4))
+        g.replay()
+        assert torch.equal(out, fn(x))

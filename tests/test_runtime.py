@@ -959,3 +959,32 @@ def test_previous_output_passed_back_is_read_before_a_replay_overwrites_it():
             prev_e, expected = f(prev_e, y)
             prev_c, got = model(prev_c, y)
             assert torch.equal(got, expected), step
+
+
+def test_verify_compares_random_pieces_with_the_replays_numbers():
+    def f(x):
+        noise = torch.rand_like(x)
+        return (x + noise).sin() + x
+
+    backend = fxsplit.Backend(capture="emulate", verify=True)
+    model = torch.compile(f, backend=backend)
+    with torch.no_grad():
+        for _ in range(4):
+            out = model(torch.randn(3, 4))
+    assert out.shape == (3, 4)
+    assert counters.snapshot()["replays"] > 0
+    assert backend.plans[0].pieces[0].random
+
+
+def test_verify_treats_nan_as_equal_to_nan():
+    def f(x):
+        return (x * 0.0).log() + x  # log(0) = -inf, and -inf + inf = nan
+
+    backend = fxsplit.Backend(capture="emulate", verify=True)
+    model = torch.compile(f, backend=backend)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 4)
+            x[0, 0] = float("inf")
+            assert model(x).isnan().any()
+    assert counters.snapshot()["replays"] > 0

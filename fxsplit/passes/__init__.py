@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from fxsplit.passes import aliasing, mark, materialise, normalise, partition
+from fxsplit.passes import aliasing, mark, materialise, normalise, ops, partition
 from fxsplit.plan import Piece, SplitPlan
 
 __all__ = ["Split", "split"]
@@ -70,6 +70,7 @@ def split(
             inputs=module.input_names,
             outputs=module.output_names,
             devices=_devices(part.nodes),
+            random=any(ops.is_random(n) for n in part.nodes),
             **({} if fact is None else fact.describe(module.input_names, module.output_names)),
         )
         for part, module, fact in zip(parts, done.pieces, facts, strict=True)

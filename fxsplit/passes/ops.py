@@ -255,3 +255,22 @@ def unsafe_op(node: Node) -> str | None:
     if base.startswith("aten::") and (short in _DATA_DEPENDENT or short in _HOST_READS):
         return op_name(node)
     return None
+
+
+def is_random(node: Node) -> bool:
+    """Whether the node's op draws random numbers: an overload of its op carries
+    ``torch.Tag.nondeterministic_seeded`` (``rand_like``, ``dropout``, ``bernoulli``, ...)."""
+    names = op_names(node)
+    if names is None:
+        return False
+    ns, _, op = names[0].partition("::")
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+    except (AttributeError, RuntimeError):
+        return False
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    return any(
+        torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags
+        for overload in packet.overloads()
+    )

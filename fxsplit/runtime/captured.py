@@ -105,6 +105,7 @@ class CapturedPiece(torch.nn.Module):
         self.specs = specs
         self.aliasing = aliasing
         self.regions = frozenset(plan_piece.regions)
+        self.random = plan_piece.random
         self.runtime = runtime
         self.entries: dict[tuple, _Entry] = {}
         self.warmups: dict[tuple, int] = {}
@@ -362,10 +363,24 @@ class CapturedPiece(torch.nn.Module):
             for i, ptr in enumerate(entry.capture_ptrs)
             if ptr is not None and inputs[i].data_ptr() != ptr
         ]
+        if self.random and self.runtime.mode != "emulate":
+            # A CUDA graph draws from its own RNG offsets: an uncaptured run cannot repeat them.
+            if "verify-random" not in self._refusals:
+                self._refusals.add("verify-random")
+                log.info("fxsplit: verify skips %s: it draws random numbers", self.name)
+            entry.graph.replay()
+            self.stats.add(entry.counts, "replays")
+            return self._results(entry, inputs)
+        before = torch.get_rng_state()
         entry.graph.replay()
         self.stats.add(entry.counts, "replays")
         got = self._results(entry, inputs)
-        expected = self.run_uncaptured(*snapshots)
+        after = torch.get_rng_state()
+        torch.set_rng_state(before)  # the emulator replays on the CPU generator: draw the same
+        try:
+            expected = self.run_uncaptured(*snapshots)
+        finally:
+            torch.set_rng_state(after)
         pairs = list(zip(_flat(got), _flat(expected), strict=True))
         pairs += [(inputs[i], snapshots[i]) for i in written]
         for a, b in pairs:

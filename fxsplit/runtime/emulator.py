@@ -303,6 +303,11 @@ class _Recorder(TorchDispatchMode):
         if func in _ALLOC_OPS:
             self.actions.append((name, "skip:alloc"))
             return
+        if torch.Tag.inplace_view in getattr(func, "tags", ()):
+            # unsqueeze_, t_, as_strided_, ...: a CUDA graph replays kernels, never the metadata
+            # change, which happened once, at capture, on the recorded tensor.
+            self.actions.append((name, "skip:metadata"))
+            return
         if func in _CONSTANT_OPS and isinstance(out, torch.Tensor):
             self.steps.append((_RESTORE, None, out.clone(), None, out))
             self.actions.append((name, "restore"))
@@ -468,8 +473,10 @@ class EmulatedGraph:
       such memory keeps whatever it held before, as on CUDA.
     * Mutating ops (schema ``is_mutable``: in-place, ``out=``, custom ops with ``mutates_args``)
       re-run on the recorded arguments; out-of-place ops re-run and their fresh results are
-      copied into the recorded outputs; ops whose results alias their inputs (views) are skipped.
-      Random ops draw fresh numbers on every replay (CUDA graphs advance the RNG offset).
+      copied into the recorded outputs; ops whose results alias their inputs (views) are skipped,
+      and so are in-place metadata changes (``unsqueeze_``, ``t_``, ``as_strided_``: ops tagged
+      ``inplace_view``), which a CUDA graph does not replay either. Random ops draw fresh
+      numbers on every replay (CUDA graphs advance the RNG offset).
     * Capture raises :class:`CaptureError` for what CUDA capture rejects: ``.item()`` and other
       host reads (``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``, ``int(t)``,
       ``if t:``, printing), data-dependent output shapes (``nonzero``, ``unique``,
@@ -602,7 +609,7 @@ class EmulatedGraph:
     @property
     def actions(self) -> tuple[tuple[str, str], ...]:
         """``(op name, action)`` per recorded op, in order; action is one of ``"run+copy"``,
-        ``"run"``, ``"restore"``, ``"skip:view"``, ``"skip:alloc"``."""
+        ``"run"``, ``"restore"``, ``"skip:view"``, ``"skip:alloc"``, ``"skip:metadata"``."""
         return self._actions
 
     @property
