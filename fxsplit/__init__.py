@@ -5,6 +5,8 @@ preparation, the sparse top-k indexer, attention, capture-unsafe ops), splits th
 runs the remaining pieces captured.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from fxsplit import counters, runners
 from fxsplit.backend import Backend, plans
 from fxsplit.config import Config
@@ -14,6 +16,11 @@ from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER, region
 from fxsplit.runtime.binding import BindingError
 from fxsplit.runtime.captured import VerifyError
 from fxsplit.runtime.emulator import CaptureError
+
+try:
+    __version__ = version("fxsplit")
+except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ATTENTION",

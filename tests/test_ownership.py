@@ -717,3 +717,87 @@ def test_v2_local_computed_before_a_graph_break_is_copied_not_refused():
             x.copy_(_data(4, D, seed=step))
             assert torch.equal(cf(x, w), f(x, w)), step
     assert _replays() > 0
+
+
+# Found by a second adversarial review.
+
+
+def test_eval_dropout_returns_its_input_so_writes_through_it_reach_the_caller():
+    """The analysis runs the kernels eager runs: eval-mode dropout returns its input (its
+    Python decomposition would return a clone and hide the write)."""
+
+    def f(x):
+        h = F.dropout(x, 0.1, training=False)
+        h.add_(1)
+        return h * 2, torch.ops.fxsplit_own.fresh(x)
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(5):
+            xe, xc = torch.full((3,), float(step)), torch.full((3,), float(step))
+            expected, got = f(xe), cf(xc)
+            assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
+            assert torch.equal(xe, xc), step
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_view_output_of_an_input_with_conj_or_neg_bit(bit):
+    def f(x):
+        return x * 2, x[1:]
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(4):
+            z = torch.view_as_complex(_data(3, 2, seed=step)) if bit == "conj" else _data(3, 2)
+            x = z.conj() if bit == "conj" else torch._neg_view(z)
+            for a, b in zip(cf(x), f(x), strict=True):
+                assert torch.equal(a, b), step
+    assert _replays() > 0
+
+
+def test_earlier_output_handed_back_as_a_tensor_and_a_view_of_it():
+    def f(x, y):  # y is a view of x
+        o = x * 3
+        z = torch.ops.fxsplit_own.fresh(o)
+        x.mul_(2)
+        return o, y.sum(0) + z.sum()
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        xe = torch.arange(12.0).reshape(4, 3)
+        xc = xe.clone()
+        for _ in range(3):
+            expected, got = f(xe, xe[1:]), cf(xc, xc[1:])
+        he, hc = expected[0], got[0]  # hc lives in fxsplit's static output buffer
+        expected, got = f(he, he[1:]), cf(hc, hc[1:])
+        assert torch.equal(expected[1], got[1]) and torch.equal(he, hc)
+
+
+def test_verify_reads_aliased_inputs_as_the_replay_did():
+    def f(a, b):  # b is a view of a
+        r = b * 2
+        a.add_(1)
+        return r
+
+    cf, _ = _compile(f, runner="v2", verify=True)
+    a = torch.zeros(3, D)
+    with torch.no_grad():
+        for step in range(5):
+            ref = a.clone()
+            expected = f(ref, ref[0])
+            assert torch.equal(cf(a, a[0]), expected), step
+            assert torch.equal(a, ref), step
+
+
+def test_in_place_unsqueeze_of_an_intermediate_keeps_its_shape():
+    def f(x):
+        y = x + 1
+        y.unsqueeze_(0)
+        return y, torch.ops.fxsplit_own.fresh(x)
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(5):
+            x = _data(3, D, seed=step)
+            for a, b in zip(cf(x), f(x), strict=True):
+                assert a.shape == b.shape and torch.equal(a, b), step

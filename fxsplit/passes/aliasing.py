@@ -16,7 +16,6 @@ FX nodes again. The collection is a private torch API: a piece it cannot analyse
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,12 +66,30 @@ def _collector() -> Callable:
     return run_functionalized_fw_and_collect_metadata
 
 
+def _hint(value: object) -> object:
+    """A symbolic int/float/bool as the concrete value Dynamo traced it with."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = value.node.hint
+        if hint is None:
+            raise ValueError(f"no concrete value for {value} (a data-dependent size)")
+        return hint
+    return value
+
+
 def _fresh(value: object) -> object:
-    """A new fake tensor with ``value``'s size, stride, dtype and device (own storage, so inputs
-    never alias one another in the analysis); other values as they are."""
+    """A new fake tensor with ``value``'s size, stride, dtype and device at their traced
+    concrete values (own storage, so inputs never alias one another in the analysis); other
+    values as they are, symbols made concrete."""
     if not isinstance(value, torch.Tensor):
-        return value
-    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return _hint(value)
+    shape = [_hint(n) for n in value.shape]
+    stride = [_hint(s) for s in value.stride()]
+    fresh = torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
+    if value.is_conj():
+        fresh = fresh.conj()
+    if value.is_neg():
+        fresh = torch._neg_view(fresh)
+    return fresh
 
 
 def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) -> PieceAliasing:
@@ -89,13 +106,10 @@ def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) ->
         a :class:`PieceAliasing`; its ``error`` says why when the analysis could not run (no fake
         example values, an op without a fake kernel, a torch without the metadata collector).
     """
-    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     if any(v is None for v in example_inputs):
         return PieceAliasing(error="an input has no traced example value")
-    fake_mode = detect_fake_mode(list(example_inputs))
-    if fake_mode is None and any(isinstance(v, torch.Tensor) for v in example_inputs):
-        return PieceAliasing(error="the inputs are not fake tensors")
 
     def flat_fn(*args):
         out = fn(*args)
@@ -103,7 +117,11 @@ def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) ->
 
     try:
         collect = _collector()
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        # Its own fake mode on the traced concrete sizes: no guard reaches Dynamo's shape
+        # environment, and ops run the kernels eager runs (the Python dispatcher's
+        # decompositions can differ in aliasing: eval-mode dropout returns its input, its
+        # decomposition a clone).
+        with FakeTensorMode(allow_non_fake_inputs=True):
             inputs = [_fresh(v) for v in example_inputs]
             meta = _run(collect, flat_fn, inputs)
     except Exception as error:  # any failure: the piece is not captured on a guess
@@ -118,11 +136,7 @@ def _run(collect: Callable, fn: Callable, inputs: list) -> object:
         from torch._functorch._aot_autograd.descriptors import PlainAOTInput
 
         kwargs["flat_args_descs"] = [PlainAOTInput(i) for i in range(len(inputs))]
-    from torch._dispatch.python import enable_python_dispatcher
-
-    # Symbolic sizes need the Python dispatcher (as in AOTAutograd's own tracing): without it,
-    # decompositions reach C++ kernels that take only concrete sizes.
-    with torch.no_grad(), enable_python_dispatcher():
+    with torch.no_grad():
         return collect(fn, **kwargs)(*inputs)
 
 

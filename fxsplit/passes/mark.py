@@ -2,8 +2,10 @@
 
 Reasons are strings: ``"region:<name>"`` (inside a region the runner runs eagerly),
 ``"op:<ns::op>"`` (a configured splitting op), ``"module:<pattern>"`` (inside a module matched by
-``eager_modules``, or by a ``module_regions`` pattern whose region is eager) and
-``"unsafe:<ns::op>"`` (an op that can never be captured). Placeholders and ``get_attr`` nodes are
+``eager_modules``, or by a ``module_regions`` pattern whose region is eager),
+``"unsafe:<ns::op>"`` (an op that can never be captured) and ``"state:<setter>"`` (governed by a
+global setter that cannot be re-entered per piece, see
+:func:`fxsplit.passes.global_state.setter_spans`). Placeholders and ``get_attr`` nodes are
 never marked: Dynamo creates placeholders at their first use, so they inherit the annotations of
 whatever region first touched them.
 """
@@ -143,7 +145,7 @@ def is_host_input(node: Node) -> bool:
 def _trivial_target(node: Node) -> bool:
     """Whether the node's target launches no kernel whatever its values (state switches,
     allocations, views); decided per target and cached by :func:`mark`."""
-    if node.target in global_state.STATE_TARGETS:
+    if global_state.is_state_node(node):
         return True
     names = op_names(node)
     if names is None or not names[0].startswith("aten::"):
@@ -168,6 +170,7 @@ def mark(graph: Graph, policy: Policy) -> Marks:
         for n in graph.find_nodes(op="placeholder")
     )
     getitem = operator.getitem
+    governed = global_state.setter_spans([n for n in graph.nodes if n.op not in _SKIPPED])
     for node in graph.nodes:
         op = node.op
         if op in _SKIPPED:
@@ -204,6 +207,8 @@ def mark(graph: Graph, policy: Policy) -> Marks:
             name = splitting_ops.match(node)
             if name is not None:
                 reasons.append(f"op:{name}")
+        if governed and node in governed:
+            reasons.append(f"state:{governed[node]}")
         key = (op, target)
         try:
             if getattr(target, "__module__", None) == "_operator":

@@ -72,21 +72,9 @@ def _io(parts: list[Part]) -> tuple[list[list[Node]], list[list[Node]]]:
                 if owner.get(user) != i:
                     produced.append(node)
                     break
-        # Autocast contexts are re-entered inside each piece (see global_state), never passed.
-        ins.append(
-            [
-                a
-                for a in seen
-                if not (a.op == "call_function" and a.target is global_state.ENTER_AUTOCAST)
-            ]
-        )
-        outs.append(
-            [
-                n
-                for n in produced
-                if not (n.op == "call_function" and n.target is global_state.ENTER_AUTOCAST)
-            ]
-        )
+        # Block contexts are re-entered inside each piece (see global_state), never passed.
+        ins.append([a for a in seen if not global_state.is_enter(a)])
+        outs.append([n for n in produced if not global_state.is_enter(n)])
     return ins, outs
 
 
@@ -94,10 +82,12 @@ def _state_lines(cg: Codegen, state: global_state.PieceState, grad_at_entry: boo
     prologue, epilogue = [], []
     if state.grad_in is not None:
         prologue.append(f"{cg.target(global_state.SET_GRAD)}({state.grad_in})")
-    for enter in state.autocast_in:
+    for enter in state.blocks_in:
         prologue.append(f"{enter.name} = {cg.call(enter)}")
-    exit_ = cg.target(global_state.EXIT_AUTOCAST)
-    epilogue += [f"{exit_}({enter.name})" for enter in reversed(state.autocast_out)]
+    epilogue += [
+        f"{cg.target(global_state.exit_target(enter))}({enter.name})"
+        for enter in reversed(state.blocks_out)
+    ]
     if state.grad_out is not None:
         epilogue.append(f"{cg.target(global_state.SET_GRAD)}({grad_at_entry})")
     return prologue, epilogue

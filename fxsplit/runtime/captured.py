@@ -20,6 +20,7 @@ from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec
 from fxsplit.runtime.graphs import new_graph
 from fxsplit.runtime.stats import PieceStats
+from fxsplit.runtime.storage import clone_sharing
 
 _TOTALS = counters.totals
 _OWN, _ADDRESS = Bind.OWN, Bind.ADDRESS
@@ -340,6 +341,12 @@ class CapturedPiece(torch.nn.Module):
             start = out.storage_offset() * out.element_size()
             offset = (start - static.storage_offset() * static.element_size()) // out.element_size()
             dtype = None if out.dtype == static.dtype else out.dtype
+            if dtype is not None and (static.is_conj() or static.is_neg()):
+                raise RuntimeError(
+                    f"{self.name}: an output views input {self.specs[i].name!r} (conjugate or "
+                    "negative bit set) in another dtype; it cannot be rebuilt over the caller's "
+                    "tensor"
+                )
             shape, strides = tuple(out.shape), tuple(out.stride())
             views.append((j, i, shape, strides, offset, dtype, out.is_conj(), out.is_neg()))
         return tuple(views)
@@ -354,10 +361,10 @@ class CapturedPiece(torch.nn.Module):
         )
 
     def _verified_replay(self, entry: _Entry, inputs):
-        snapshots = list(inputs)
+        # Snapshots of every input, sharing memory as the inputs do: the uncaptured re-run must
+        # read what the replay read, writes through aliases included.
+        snapshots = clone_sharing(inputs)
         written = [i for i, spec in enumerate(self.specs) if spec.written]
-        for i in written:
-            snapshots[i] = inputs[i].clone()
         moved = [
             self.specs[i].name
             for i, ptr in enumerate(entry.capture_ptrs)
@@ -421,6 +428,11 @@ def _own_buffer(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]
     into overlapping memory is an error)."""
     # Same start offset modulo 512 elements as the caller's tensor: allocations are aligned to
     # at most 512 bytes, so the data pointer lands on the same alignment.
+    if value.is_conj() or value.is_neg():
+        # Keep the bit: copy the memory as it is, then view it with the same bit.
+        plain = value.conj() if value.is_conj() else torch._neg_view(value)
+        buffer, region = _own_buffer(plain)
+        return (buffer.conj() if value.is_conj() else torch._neg_view(buffer)), region
     pad = value.storage_offset() % 512
     extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride(), strict=True))
     extent = extent if value.numel() else 0

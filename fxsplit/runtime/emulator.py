@@ -501,14 +501,14 @@ class EmulatedGraph:
       ``.item()`` or ``nonzero`` inside is caught), but host reads that never reach the dispatcher
       on CPU (``.tolist()``, ``.numpy()``) inside a kernel are not: torch-function modes are off
       inside dispatcher kernels.
-    * Replay runs without autograd (under ``inference_mode`` if capture did, else ``no_grad``) and
-      with autocast disabled (the record already holds the autocast casts).
+    * Replay runs without autograd (under ``inference_mode``, which may write the inference
+      tensors a piece made inside its own inference_mode block) and with autocast disabled (the
+      record already holds the autocast casts).
     """
 
     def __init__(self) -> None:
         self._steps: tuple[tuple, ...] | None = None
         self._actions: tuple[tuple[str, str], ...] = ()
-        self._inference = False
         self._error: CaptureError | None = None
 
     # -- public API ---------------------------------------------------------------------------
@@ -535,7 +535,6 @@ class EmulatedGraph:
         if self._steps is not None:
             raise RuntimeError("EmulatedGraph already holds a capture; call reset() first")
         self._error = None
-        self._inference = torch.is_inference_mode_enabled()
         recorder = _Recorder(self)
         _tls.active = self
         try:
@@ -573,8 +572,9 @@ class EmulatedGraph:
         steps = self._steps
         if steps is None:
             raise RuntimeError("EmulatedGraph.replay() before a successful capture()")
-        grad_ctx = torch.inference_mode() if self._inference else torch.no_grad()
-        with grad_ctx, torch._C._DisableAutocast():
+        # Inference mode: a captured piece may have made inference tensors (an inference_mode
+        # block inside it), which only inference mode may write; a kernel has no grad mode.
+        with torch.inference_mode(), torch._C._DisableAutocast():
             for kind, call, args, kwargs, dst in steps:
                 if kind == _COPY1:
                     dst.copy_(call(*args, **kwargs))

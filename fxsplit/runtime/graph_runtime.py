@@ -24,6 +24,7 @@ from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece
 from fxsplit.runtime.stats import PieceStats
+from fxsplit.runtime.storage import clone_sharing
 
 log = logging.getLogger("fxsplit")
 
@@ -260,14 +261,19 @@ class GraphRuntime:
                 self._check_params(args)
             owned = self.session.owned(self)
             if owned:
-                for i in self._runner_inputs:
-                    if args[i].untyped_storage().data_ptr() in owned:
-                        # An earlier output (or a view of one) handed back in: this step's
-                        # replays overwrite it before it is read, so the step reads and writes
-                        # a private copy, handed back afterwards (see _hand_back).
-                        handed = [] if handed is None else handed
-                        handed.append((args[i], args[i].clone()))
-                        args = (*args[:i], handed[-1][1], *args[i + 1 :])
+                back = [
+                    i for i in self._runner_inputs if args[i].untyped_storage().data_ptr() in owned
+                ]
+                if back:
+                    # Earlier outputs (or views of them) handed back in: this step's replays
+                    # overwrite them before they are read, so the step reads and writes private
+                    # copies (sharing memory as the originals do), handed back afterwards.
+                    copies = clone_sharing([args[i] for i in back])
+                    handed = [(args[i], c) for i, c in zip(back, copies, strict=True)]
+                    args = list(args)
+                    for i, c in zip(back, copies, strict=True):
+                        args[i] = c
+                    args = tuple(args)
         session = self.capture_session
         session.enter()
         try:
@@ -451,30 +457,19 @@ def _hand_back(out: tuple, handed: list) -> tuple:
 
 
 def _clone_owned(out: tuple, owned: set[int]) -> tuple:
-    """Clones of the outputs in fxsplit's static buffers (the next replay overwrites those);
-    outputs sharing one buffer get views of one clone, keeping eager's aliasing between them.
-    Other outputs (views of the caller's tensors, eager results) are returned as they are."""
-    clones: dict[int, torch.UntypedStorage] = {}
-    result = []
-    for o in out:
-        if not isinstance(o, torch.Tensor):
-            result.append(o)
-            continue
-        storage = o.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in owned:
-            result.append(o)
-            continue
-        copy = clones.get(ptr)
-        if copy is None:
-            copy = clones[ptr] = storage.clone()
-        view = torch.empty(0, dtype=o.dtype, device=o.device)
-        view = view.set_(copy, o.storage_offset(), o.size(), o.stride())
-        if o.is_conj():
-            view = view.conj()
-        if o.is_neg():
-            view = torch._neg_view(view)
-        result.append(view)
+    """Clones of the outputs in fxsplit's static buffers (the next replay overwrites those),
+    keeping eager's aliasing between them; other outputs (views of the caller's tensors, eager
+    results) are returned as they are."""
+    mine = [
+        i
+        for i, o in enumerate(out)
+        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in owned
+    ]
+    if not mine:
+        return out
+    result = list(out)
+    for i, copy in zip(mine, clone_sharing([out[i] for i in mine]), strict=True):
+        result[i] = copy
     return tuple(result)
 
 

@@ -10,6 +10,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+import fxsplit
+
 
 class UsageError(Exception):
     """A bad command line (MODULE:FACTORY, --options); reported in one line, exit status 2."""
@@ -158,19 +160,10 @@ def _diff(args) -> int:
     return 0
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fxsplit")
-    except PackageNotFoundError:  # run from a source tree without installing
-        return "(not installed)"
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fxsplit``; returns the exit status (2: bad command line)."""
     parser = argparse.ArgumentParser(prog="fxsplit", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"fxsplit {_version()}")
+    parser.add_argument("--version", action="version", version=f"fxsplit {fxsplit.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_help = "compile the reference models under runners v1 and v2 and compare with eager"
     commands.add_parser("demo", help=demo_help, description=demo_help)

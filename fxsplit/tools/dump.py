@@ -267,7 +267,7 @@ def split_graph(split):
                 names.append(name)
 
     dot = graphviz.Digraph(name=plan.graph_id, comment=f"fxsplit {plan.graph_id}")
-    dot.attr(rankdir="TB", fontname="Helvetica", label=_graph_title(plan), labelloc="t")
+    dot.attr(rankdir="TB", fontname="Helvetica", label=graph_title(plan), labelloc="t")
     dot.attr("node", shape="box", style="rounded,filled", fontname="Helvetica", fontsize="10")
     dot.attr("edge", fontname="Helvetica", fontsize="9")
     for piece in plan.pieces:
@@ -301,9 +301,11 @@ def split_graph(split):
     return dot
 
 
-def _graph_title(plan: SplitPlan) -> str:
+def graph_title(plan: SplitPlan) -> str:
+    """``"graph_0, runner v1: 5 pieces (3 captured, 2 eager)"``."""
     return (
-        f"{plan.graph_id}, runner {plan.runner}: {len(plan.pieces)} pieces "
+        f"{plan.graph_id}, runner {plan.runner}: {len(plan.pieces)} "
+        f"piece{'s' if len(plan.pieces) != 1 else ''} "
         f"({len(plan.captured)} captured, {len(plan.eager)} eager)"
     )
 
@@ -440,12 +442,12 @@ def plan_table(plan: SplitPlan, title: str | None = None):
     """The plan as a ``rich.table.Table``: piece, kind, ops, regions, reasons (rows by kind)."""
     from rich.table import Table
 
-    table = Table(title=title or _graph_title(plan), title_justify="left")
+    table = Table(title=title or graph_title(plan), title_justify="left")
     table.add_column("piece")
     table.add_column("kind")
     table.add_column("ops", justify="right")
-    table.add_column("regions")
-    table.add_column("reasons")
+    table.add_column("regions", overflow="fold")
+    table.add_column("reasons", overflow="fold")
     for row in plan.rows(sep=", "):
         table.add_row(*row, style="dark_orange" if row[1] == "eager" else None)
     return table

@@ -1,0 +1,47 @@
+"""Copies that keep aliasing: tensors sharing memory stay views of one copy.
+
+Used wherever fxsplit must copy values a model may see through several views: outputs cloned
+for ``clone_outputs``, earlier outputs handed back in, and verify's snapshots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["clone_sharing", "view_over"]
+
+
+def view_over(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``storage`` with ``like``'s dtype, size, stride, offset and conjugate and
+    negative bits."""
+    view = torch.empty(0, dtype=like.dtype, device=like.device)
+    view = view.set_(storage, like.storage_offset(), like.size(), like.stride())
+    if like.is_conj():
+        view = view.conj()
+    if like.is_neg():
+        view = torch._neg_view(view)
+    return view
+
+
+def clone_sharing(values: Sequence[object]) -> list[object]:
+    """Clones of the tensors in ``values`` (other values as they are) that share memory as the
+    originals do: each distinct storage is cloned once and each tensor rebuilt over its clone.
+
+    Returns:
+        the clones, in order.
+    """
+    storages: dict[int, torch.UntypedStorage] = {}
+    out: list[object] = []
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            out.append(value)
+            continue
+        storage = value.untyped_storage()
+        key = storage.data_ptr() if storage.nbytes() else -id(value)  # empty: all at address 0
+        copy = storages.get(key)
+        if copy is None:
+            copy = storages[key] = storage.clone()
+        out.append(view_over(copy, value))
+    return out

@@ -1,0 +1,39 @@
+"""``fxsplit demo``: its tables read at 80 columns, and a missing transformers skips a section
+instead of failing the run."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+pytest.importorskip("rich")
+
+from rich.console import Console  # noqa: E402
+
+import fxsplit  # noqa: E402
+from fxsplit.models import deepseek_v4  # noqa: E402
+from fxsplit.tools import demo  # noqa: E402
+from fxsplit.tools.dump import graph_title, plan_table  # noqa: E402
+
+
+def test_plan_tables_fit_80_columns_without_cutting_the_regions():
+    plans = fxsplit.explain(deepseek_v4.build(), *deepseek_v4.example()[1], runner="v1")
+    out = io.StringIO()
+    console = Console(file=out, width=80)
+    for plan in plans:
+        console.print(plan_table(plan, f"DeepSeek-V4 {graph_title(plan)}"))
+    text = out.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "…" not in text  # folded, never truncated
+    assert "sparse_indexer" in text.replace("\n", "").replace(" ", "").replace("│", "")
+
+
+def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, capsys):
+    monkeypatch.setattr(demo, "_deepseek", lambda console, runner: True)
+    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console: True)
+    monkeypatch.setattr(demo.hf_deepseek_v4, "available", lambda: False)
+    assert demo.run() == 0
+    out = capsys.readouterr().out
+    assert "skipped the transformers section" in out and "pip install" in out
+    assert "FAILED" not in out

@@ -1,0 +1,88 @@
+"""Global state inside a graph, handled as one kind: blocks Dynamo lowers to enter/exit pairs are
+re-entered per piece; setters without a pair keep what they govern eager (``state:<name>``)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fxsplit
+from fxsplit import counters
+
+
+@pytest.fixture(autouse=True)
+def _fresh(monkeypatch):
+    torch._dynamo.reset()
+    counters.reset()
+    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
+    yield
+    torch._dynamo.reset()
+
+
+@torch.library.custom_op("fxsplit_state::fresh", mutates_args=())
+def fresh(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5 + 1
+
+
+@fresh.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _backend(**options):
+    return fxsplit.Backend(capture="emulate", splitting_ops=["fxsplit_state::fresh"], **options)
+
+
+def test_inference_mode_block_spanning_pieces():
+    def f(x):
+        with torch.inference_mode():
+            h = torch.ops.fxsplit_state.fresh(x * 2) + 1
+            inside = torch.is_inference_mode_enabled()
+        return h.sin(), inside
+
+    model = torch.compile(f, backend=_backend())
+    with torch.no_grad():
+        for step in range(4):
+            x = torch.randn(2, 3)
+            (got, inside), (expected, _) = model(x), f(x)
+            assert torch.equal(got, expected) and inside, step
+            assert not torch.is_inference_mode_enabled()
+    assert counters.snapshot()["replays"] > 0
+
+
+def test_autocast_block_spanning_pieces_still_re_entered():
+    def f(x, w):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.ops.fxsplit_state.fresh(x @ w)
+            y = h @ w
+        return y.float()
+
+    model = torch.compile(f, backend=_backend())
+    with torch.no_grad():
+        for step in range(4):
+            x, w = torch.randn(4, 8), torch.randn(8, 8)
+            got, expected = model(x, w), f(x, w)
+            assert got.dtype == expected.dtype and torch.equal(got, expected), step
+
+
+def test_sdpa_kernel_keeps_what_it_governs_eager_in_one_piece():
+    def f(q):
+        h = q * 2
+        with sdpa_kernel(SDPBackend.MATH):
+            o = torch.nn.functional.scaled_dot_product_attention(h, h, h) * 3
+        return o + 1
+
+    backend = _backend()
+    model = torch.compile(f, backend=backend)
+    with torch.no_grad():
+        for step in range(4):
+            q = torch.randn(1, 2, 4, 8)
+            assert torch.equal(model(q), f(q)), step
+    plan = backend.plans[0]
+    governed = [p for p in plan.pieces if any(r.startswith("state:") for r in p.reasons)]
+    assert len(governed) == 1 and governed[0].kind == "eager", plan.format()
+    assert "state:_sdpa_kernel" in governed[0].reasons
+    assert [p.kind for p in plan.pieces].count("captured") >= 1
