@@ -9,12 +9,12 @@ import pytest
 
 pytest.importorskip("rich")
 
-from rich.console import Console  # noqa: E402
+from rich.console import Console
 
-import fxsplit  # noqa: E402
-from fxsplit.models import deepseek_v4  # noqa: E402
-from fxsplit.tools import demo  # noqa: E402
-from fxsplit.tools.dump import graph_title, plan_table  # noqa: E402
+import fxsplit
+from fxsplit.models import deepseek_v4
+from fxsplit.tools import demo
+from fxsplit.tools.dump import graph_title, plan_table
 
 
 def test_plan_tables_fit_80_columns_without_cutting_the_regions():
