@@ -64,6 +64,12 @@ def op_names(node: Node) -> tuple[str, str | None] | None:
     """
     target = node.target
     if node.op == "call_method":
+        if target.startswith("__") and target.endswith("__"):
+            # x.__eq__(y), x.__rmul__(2): the aten op of the operator's name, where aten has one
+            name = target.strip("_")
+            for candidate in (name, name[1:] if name.startswith("r") else None):
+                if candidate and _takes_tensors(candidate):
+                    return f"aten::{candidate}", None
         return f"aten::{target}", None
     if node.op != "call_function":
         return None
