@@ -1,4 +1,5 @@
-"""Shared pytest configuration: hypothesis profiles for tests/test_property.py.
+"""Shared pytest configuration: hypothesis profiles for tests/test_property.py and the
+``fresh_capture_state`` fixture.
 
 ``HYPOTHESIS_PROFILE`` selects one: ``ci`` (default; 200 examples, derandomized so CI is
 deterministic) or ``long`` (10,000 random examples, or ``HYPOTHESIS_MAX_EXAMPLES``, for a soak
@@ -9,7 +10,10 @@ hypothesis is optional here: a bare GPU box (torch, pytest, numpy) has none, and
 modules then skip (``scripts/check_bare_env.sh`` checks that in CI).
 """
 
+import gc
 import os
+
+import pytest
 
 try:
     from hypothesis import HealthCheck, settings
@@ -27,3 +31,21 @@ if settings is not None:
         "long", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 10_000)), **_COMMON
     )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def fresh_capture_state(monkeypatch):
+    """Dynamo's caches and fxsplit's counters cleared before and after the test, and
+    ``gc.collect`` stubbed out: a capture session collects garbage once (~0.3 s with torch
+    loaded), which changes nothing an emulated capture computes. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("fresh_capture_state")``."""
+    import torch
+
+    from fxsplit import counters
+
+    torch._dynamo.reset()
+    counters.reset()
+    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
+    yield
+    torch._dynamo.reset()
+    counters.reset()

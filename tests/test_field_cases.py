@@ -9,7 +9,6 @@ reason.
 
 from __future__ import annotations
 
-import gc
 import logging
 import operator
 import sys
@@ -25,16 +24,7 @@ from fxsplit import counters
 MID = "field_mid"
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    torch._dynamo.reset()
-    counters.reset()
-    # A capture session collects garbage once (~0.3 s with torch loaded); it changes nothing an
-    # emulated capture computes.
-    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
-    yield
-    torch._dynamo.reset()
-    counters.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 @torch.library.custom_op("fxsplit_field::fresh", mutates_args=())

@@ -3,8 +3,6 @@ re-entered per piece; setters without a pair keep what they govern eager (``stat
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -12,14 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fxsplit
 from fxsplit import counters
 
-
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    torch._dynamo.reset()
-    counters.reset()
-    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 @torch.library.custom_op("fxsplit_state::fresh", mutates_args=())

@@ -15,7 +15,6 @@ CI runs every ``OPINFO_STRIDE``-th op (``FXSPLIT_OPINFO_STRIDE``, default 8); ``
 
 from __future__ import annotations
 
-import gc
 import os
 import warnings
 
@@ -23,7 +22,6 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit import counters
 
 common = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 
@@ -90,13 +88,7 @@ def _report():
     print(f"\nOpInfo sweep: {len(CASES)} cases; not bit-equal (within 1e-4): {NOT_BIT_EQUAL}")
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    torch._dynamo.reset()
-    counters.reset()
-    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 @pytest.mark.parametrize(

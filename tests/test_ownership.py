@@ -9,7 +9,6 @@ outputs that are views of an input stay views of the caller's tensor.
 
 from __future__ import annotations
 
-import gc
 import logging
 import warnings
 
@@ -24,14 +23,7 @@ from fxsplit import counters
 D = 4
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    torch._dynamo.reset()
-    counters.reset()
-    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)
-    yield
-    torch._dynamo.reset()
-    counters.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 @torch.library.custom_op("fxsplit_own::fresh", mutates_args=())
