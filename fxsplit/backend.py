@@ -101,6 +101,10 @@ class Backend:
         policy = Policy.build(
             runner, config.splitting_ops, config.module_regions, config.eager_modules
         )
+        frame = _frame()
+        root = frame.root if frame is not None else None
+        policy.module_regions.set_root(root)
+        policy.eager_modules.set_root(root)
         # The split allocates many small objects while a large graph is alive; cyclic GC passes
         # over that graph would dominate its cost.
         gc_was_enabled = gc.isenabled()
@@ -119,6 +123,7 @@ class Backend:
                 gc.enable()
         self._warn_unmatched(policy)
         plan = result.plan
+        self._warn_no_region(plan, result.marks, runner)
         self.plans.append(plan)
         log.info(
             "%s: %d nodes -> %d pieces (%d captured, %d eager) in %.1f ms",
@@ -145,7 +150,7 @@ class Backend:
                 self._device_capture(mode, device),
                 device,
                 self._session,
-                _frame(),
+                frame,
             )
             self.runtimes.append(runtime)
         if dump_root:
@@ -154,6 +159,21 @@ class Backend:
             _BACKENDS_WITH_DUMPS.add(self)
             log.info("fxsplit %s: dump in %s", graph_id, folder)
         return result.materialised.stitched.forward if runtime is None else runtime
+
+    def _warn_no_region(self, plan: SplitPlan, marks, runner) -> None:
+        """Warn once when a runner wants regions eager but nothing marks any: attention (if the
+        graph has any) is then captured with everything else."""
+        if not runner.eager_regions or marks.regions or plan.eager or "no-region" in self._warned:
+            return
+        self._warned.add("no-region")
+        warnings.warn(
+            f"fxsplit {plan.graph_id}: no node is in any region, so runner {runner.name!r} "
+            f"(eager: {', '.join(sorted(runner.eager_regions))}) runs nothing eagerly and any "
+            "attention in this graph is captured; mark it with fxsplit.region(...), "
+            "module_regions={'<AttentionClass>': 'attention'} or splitting_ops=['ns::op']",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def _warn_unmatched(self, policy: Policy) -> None:
         matched = policy.splitting_ops.used | policy.module_regions.used
@@ -241,13 +261,16 @@ def _frame() -> Frame | None:
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        code = InstructionTranslator.current_tx().f_code
+        tx = InstructionTranslator.current_tx()
+        code = tx.f_code
+        receiver = tx.f_locals.get("self")
     except Exception:  # not under Dynamo (a direct backend call), or another torch layout
         return None
     count = code.co_argcount + code.co_kwonlyargcount
     # Dynamo names the functions that resume a frame after a graph break this way.
     resumed = code.co_name.startswith("torch_dynamo_resume_in_")
-    return Frame(tuple(code.co_varnames[:count]), resumed)
+    root = type(receiver) if isinstance(receiver, torch.nn.Module) else None
+    return Frame(tuple(code.co_varnames[:count]), resumed, root)
 
 
 def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | None]:

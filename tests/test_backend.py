@@ -120,3 +120,14 @@ def test_cli_version_and_subcommand_descriptions(capsys):
         usage, _, rest = capsys.readouterr().out.partition("\n\n")
         assert usage.startswith(f"usage: fxsplit {command}"), command
         assert rest.split("\n")[0].strip() and not rest.startswith("options"), command
+
+
+def test_warns_once_when_a_runner_wants_regions_but_nothing_marks_any():
+    def f(x):
+        return (x @ x.t()).softmax(-1) @ x
+
+    backend = fxsplit.Backend()
+    with pytest.warns(UserWarning, match="no node is in any region") as seen:
+        torch.compile(f, backend=backend)(torch.randn(3, 4))
+        torch.compile(lambda x: f(x) + 1, backend=backend)(torch.randn(3, 4))
+    assert len([w for w in seen if "no node is in any region" in str(w.message)]) == 1

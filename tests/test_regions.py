@@ -228,3 +228,22 @@ def test_bad_names_raise_as_decorator(name, error):
 
     with pytest.raises(error):
         f()
+
+
+def test_eager_modules_and_module_regions_match_the_root_module_class():
+    class Whole(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu() + x
+
+    x = torch.randn(2, 4)
+    plans = fxsplit.explain(Whole(), x, eager_modules=["Whole"])
+    assert [p.kind for p in plans[0].pieces] == ["eager"], plans[0].format()
+    assert "module:Whole" in plans[0].pieces[0].reasons
+    torch._dynamo.reset()
+    plans = fxsplit.explain(Whole(), x, module_regions={"Whole": fxsplit.ATTENTION})
+    assert [p.kind for p in plans[0].pieces] == ["eager"], plans[0].format()
+    torch._dynamo.reset()

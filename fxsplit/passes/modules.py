@@ -48,6 +48,7 @@ class ModuleMatcher:
         self._patterns = [(p, tuple(p.split(".")), v) for p, v in items]
         self._cache: dict[tuple[str, type], tuple[tuple[str, str], ...]] = {}
         self.used: set[str] = set()
+        self.root_hits: tuple[tuple[str, str], ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self._patterns)
@@ -57,12 +58,23 @@ class ModuleMatcher:
         """Every configured pattern, in order."""
         return [p for p, _, _ in self._patterns]
 
+    def set_root(self, cls: type | None) -> None:
+        """The compiled module's own class: Dynamo's ``nn_module_stack`` leaves the root out, so
+        a class pattern naming it matches every node of the graph."""
+        if cls is None:
+            self.root_hits = ()
+            return
+        names = {cls.__name__, cls.__qualname__}
+        self.root_hits = tuple((p, v) for p, _, v in self._patterns if p in names)
+        self.used.update(p for p, _ in self.root_hits)
+
     def match(self, node: Node) -> list[tuple[str, str]]:
-        """``(pattern, value)`` for every pattern an enclosing module of ``node`` matches."""
+        """``(pattern, value)`` for every pattern an enclosing module of ``node`` (the compiled
+        root module included, see :meth:`set_root`) matches."""
         stack = node.meta.get("nn_module_stack")
+        found: list[tuple[str, str]] = list(self.root_hits)
         if not stack:
-            return []
-        found: list[tuple[str, str]] = []
+            return found
         for entry in stack.values():
             try:
                 hits = self._cache[entry]

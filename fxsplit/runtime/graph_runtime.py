@@ -117,10 +117,12 @@ class Frame:
         arg_names: its argument names in signature order (where the size input is looked up).
         resumed: a frame Dynamo resumes after a graph break: its arguments are the live values
             of the model at the break, not tensors the caller handed in.
+        root: the class of the ``nn.Module`` whose method the frame runs, if any.
     """
 
     arg_names: tuple[str, ...]
     resumed: bool = False
+    root: type | None = None
 
 
 class GraphRuntime:
