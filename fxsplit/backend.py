@@ -21,6 +21,7 @@ from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
 from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime
 from fxsplit.runtime.graphs import DeviceCapture
+from fxsplit.runtime.strict import StrictInputs
 from fxsplit.tools import dump
 
 log = logging.getLogger("fxsplit")
@@ -158,7 +159,15 @@ class Backend:
             self._dumps.append((folder, runtime))
             _BACKENDS_WITH_DUMPS.add(self)
             log.info("fxsplit %s: dump in %s", graph_id, folder)
-        return result.materialised.stitched.forward if runtime is None else runtime
+        if runtime is not None:
+            return runtime
+        stitched = result.materialised.stitched
+        if config.binding == "strict" and not (frame is not None and frame.resumed):
+            placeholders = list(stitched.graph.find_nodes(op="placeholder"))
+            return StrictInputs(
+                stitched.forward, placeholders, graph_id, config.warmup_runs, self._session
+            )
+        return stitched.forward
 
     def _warn_no_region(self, plan: SplitPlan, marks, runner) -> None:
         """Warn once when a runner wants regions eager but nothing marks any: attention (if the

@@ -988,3 +988,30 @@ def test_verify_treats_nan_as_equal_to_nan():
             x[0, 0] = float("inf")
             assert model(x).isnan().any()
     assert counters.snapshot()["replays"] > 0
+
+
+def test_strict_binding_checks_addresses_with_capture_off_too():
+    def f(x, positions):
+        return x * 2 + positions.unsqueeze(-1)
+
+    model = torch.compile(f, backend=fxsplit.Backend(capture="off", runner="v2"))
+    x, positions = torch.randn(3, 4), torch.arange(3.0)
+    with torch.no_grad():
+        model(x, positions)  # warm-up
+        model(x, positions)  # would capture: addresses fixed
+        x.copy_(torch.randn(3, 4))
+        model(x, positions)  # same tensors refilled: fine
+        with pytest.raises(fxsplit.BindingError, match="positions"):
+            model(x, torch.arange(3.0))  # a fresh tensor, as a buggy runner would hand
+        model(torch.randn(5, 4), torch.arange(5.0))  # another shape: its own first call
+
+
+def test_strict_binding_with_capture_off_takes_fed_back_outputs():
+    def f(x):
+        return x.sin() * 2
+
+    model = torch.compile(f, backend=fxsplit.Backend(capture="off", runner="v2"))
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(5):
+            x = model(x)
