@@ -1015,3 +1015,19 @@ def test_strict_binding_with_capture_off_takes_fed_back_outputs():
     with torch.no_grad():
         for _ in range(5):
             x = model(x)
+
+
+def test_weights_reloaded_every_other_step_warn_of_a_recapture_storm():
+    net, ref = _net(0), _net(0)
+    model, backend = _compile(net, eager_regions=[MID])
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(10):
+            if i % 2 == 0 and i > 0:
+                new = {k: torch.randn_like(v) for k, v in net.state_dict().items()}
+                net.load_state_dict(new, assign=True)
+                ref.load_state_dict(new)
+            assert torch.equal(model(_x(2, i)), ref(_x(2, i))), i
+    storms = [w for w in seen if "recaptured" in str(w.message)]
+    assert len(storms) == 1 and "moved" in str(storms[0].message)
+    assert not [w for w in seen if "rebinds" in str(w.message)]  # not taken for rebinding

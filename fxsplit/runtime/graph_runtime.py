@@ -174,7 +174,7 @@ class GraphRuntime:
         self._logged_sizes: set[int] = set()
         self._steps = 0
         self._recaptures: list[int] = []  # steps at which a parameter move dropped the graphs
-        self._moves: dict[int, int] = {}  # placeholder index -> steps it moved on
+        self._moves: dict[int, int] = {}  # placeholder index -> the last step it moved on
 
         stitched = split.materialised.stitched
         self._placeholders = list(stitched.graph.find_nodes(op="placeholder"))
@@ -325,9 +325,11 @@ class GraphRuntime:
         self._param_ptrs = ptrs
         rebound = []
         for i in moved:
-            self._moves[i] = self._moves.get(i, 0) + 1
-            if self._moves[i] >= 2:
+            # The model rebinding a buffer moves it on consecutive steps; reloading weights
+            # (load_state_dict(assign=True)) moves them once in a while.
+            if self._moves.get(i) == self._steps - 1:
                 rebound.append(i)
+            self._moves[i] = self._steps
         if rebound:
             self._rebind(rebound)
             return
@@ -344,8 +346,8 @@ class GraphRuntime:
             self._note_recapture("parameters or buffers moved (load_state_dict(assign=True)?)")
 
     def _rebind(self, indices: list[int]) -> None:
-        """Static inputs that moved on two steps are rebound by the model itself (``self.t =
-        self.t + 1``): from now on they are fxsplit's to copy, like runner inputs."""
+        """Static inputs that moved on two consecutive steps are rebound by the model itself
+        (``self.t = self.t + 1``): from now on they are fxsplit's to copy, like runner inputs."""
         names = [self._placeholders[i].name for i in indices]
         self._warn_once(
             "rebound:" + ",".join(names),
