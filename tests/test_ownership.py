@@ -793,3 +793,42 @@ def test_in_place_unsqueeze_of_an_intermediate_keeps_its_shape():
             x = _data(3, D, seed=step)
             for a, b in zip(cf(x), f(x), strict=True):
                 assert a.shape == b.shape and torch.equal(a, b), step
+
+
+NORMS = {
+    "F.batch_norm": lambda x, m, v: F.batch_norm(x, m, v, training=True, momentum=0.3),
+    "native_batch_norm": lambda x, m, v: torch.native_batch_norm(
+        x, None, None, m, v, True, 0.3, 1e-5
+    )[0],
+    "_native_batch_norm_legit": lambda x, m, v: torch._native_batch_norm_legit(
+        x, None, None, m, v, True, 0.3, 1e-5
+    )[0],
+    "_batch_norm_with_update": lambda x, m, v: torch.ops.aten._batch_norm_with_update(
+        x, torch.ones_like(m), torch.zeros_like(m), m, v, 0.3, 1e-5
+    )[0],
+    "F.instance_norm": lambda x, m, v: (
+        F.instance_norm(x.view(2, 3, D).transpose(1, 2), m, v, use_input_stats=True, momentum=0.3)
+        .transpose(1, 2)
+        .reshape(6, D)
+    ),
+}
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_running_statistics_of_every_batch_norm_form_reach_the_caller(norm):
+    """From the OpInfo sweep: Dynamo calls these as functions or packets, whose schemas (for
+    some) do not declare the write; functionalization sees it."""
+    fn = NORMS[norm]
+
+    def f(x, mean, var):
+        return fn(x, mean, var) * 2
+
+    cf, _ = _compile(f)
+    with torch.no_grad():
+        for step in range(5):
+            x = _data(6, D, seed=step)
+            mean_e, var_e = torch.zeros(D), torch.ones(D)
+            mean, var = mean_e.clone(), var_e.clone()
+            assert torch.equal(cf(x, mean, var), f(x, mean_e, var_e)), step
+            assert torch.equal(mean, mean_e) and torch.equal(var, var_e), step
+    assert _replays() > 0

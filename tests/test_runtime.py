@@ -1019,7 +1019,7 @@ def test_strict_binding_with_capture_off_takes_fed_back_outputs():
 
 def test_weights_reloaded_every_other_step_warn_of_a_recapture_storm():
     net, ref = _net(0), _net(0)
-    model, backend = _compile(net, eager_regions=[MID])
+    model, _ = _compile(net, eager_regions=[MID])
     with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for i in range(10):
