@@ -221,11 +221,14 @@ def test_signed_zero_host_value_is_its_own_capture_key():
 
 
 def test_bool_and_int_host_values_are_different_keys():
-    from fxsplit.runtime.captured import _exact
+    from fxsplit.runtime.captured import _exact, _key_function
 
-    assert _exact(True) != _exact(1)
-    assert _exact(0.0) != _exact(-0.0)
-    assert _exact(float("nan")) == _exact(float("nan"))
+    key = _key_function(((0, None),))
+    for part in (_exact, lambda v: key((v,))[0]):
+        assert part(True) != part(1) != part(1.0)
+        assert part(0.0) != part(-0.0) and part(0) != part(0.0)
+        assert part(float("nan")) == part(float("nan"))
+        assert part(2.5) == part(2.5) and part(None) == part(None)
 
 
 def test_reduction_over_non_contiguous_input_replays_bit_exactly():

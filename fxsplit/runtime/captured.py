@@ -41,19 +41,20 @@ class _Entry:
     """One capture key of a piece: its graph, static buffers, binding table and counters.
 
     ``checks`` holds ``(i, static, data_ptr, bind)`` per input bound OWN or ADDRESS; ``synced[i]``
-    remembers the value last copied into an OWN buffer (weak reference and version counter), so
+    remembers the value last copied into an OWN buffer (weak reference, version, address), so
     an unchanged caller tensor is not copied again; ``written`` holds ``(i, static, bind)`` per
-    input the piece writes; ``views`` holds ``(j, i, size, stride, offset)`` per output that is a
-    view of OWN input ``i`` (rebuilt over the caller's tensor after each replay); ``groups``
-    lists the input indices to check for shared storage (pieces that write an input).
+    input the piece writes; ``views`` holds ``(j, i, size, stride, offset, dtype, conj, neg)``
+    per output that is a view of OWN input ``i`` (rebuilt over the caller's tensor after each
+    replay); ``alias_guard`` checks shared storage per call (pieces that write an input);
+    ``regions`` holds the flat memory under OWN buffers of inputs that overlap themselves.
     """
 
     __slots__ = (
+        "alias_guard",
         "capture_ptrs",
         "checks",
         "counts",
         "graph",
-        "groups",
         "key",
         "outputs",
         "regions",
@@ -78,7 +79,7 @@ class _Entry:
         self.synced: list = [None] * len(statics)
         self.views = views
         self.written: tuple = ()
-        self.groups: tuple[int, ...] = ()
+        self.alias_guard: _AliasGuard | None = None
         self.regions: dict[int, torch.Tensor] = {}
 
 
@@ -183,8 +184,8 @@ class CapturedPiece(torch.nn.Module):
             _TOTALS["input_copies"] += 1
             _TOTALS["input_copy_bytes"] += value.nbytes
             self.stats.copies_by_input[self.specs[i].name] += 1
-        if entry.groups:
-            _check_aliasing(self.specs, entry, inputs)
+        if entry.alias_guard is not None:
+            entry.alias_guard.check(self.specs, inputs)
         statics = entry.statics
         for view in entry.views:
             i = view[1]
@@ -282,9 +283,9 @@ class CapturedPiece(torch.nn.Module):
             else:
                 statics.append(value)
         written = [i for i, spec in enumerate(self.specs) if spec.written]
-        groups = _alias_groups(statics, inputs, binds, written)
-        if groups:
-            _check_aliasing(self.specs, None, inputs, groups, binds)
+        guard = _AliasGuard(inputs, binds, written) if written and _OWN in binds else None
+        if guard is not None:
+            guard.check(self.specs, inputs)
         graph = new_graph(runtime.mode, runtime.device_capture)
         # The emulator runs the piece while recording; if the capture then fails, the fallback
         # run must find what the piece writes as it was (a CUDA capture executes nothing).
@@ -320,7 +321,7 @@ class CapturedPiece(torch.nn.Module):
         entry.written = tuple(
             (i, statics[i], binds[i]) for i in written if isinstance(statics[i], torch.Tensor)
         )
-        entry.groups = groups
+        entry.alias_guard = guard
         entry.regions = regions
         for i, bind in enumerate(binds):
             if bind == _OWN and inputs[i] is not statics[i]:
@@ -477,43 +478,55 @@ def _overlaps(value: torch.Tensor) -> bool:
     return False
 
 
-def _alias_groups(statics, inputs, binds, written) -> tuple[int, ...]:
-    """Indices of the tensor inputs to check for shared storage on each call: only pieces that
-    write an input need it, and only where some input is copied into fxsplit's own buffer."""
-    if not written or _OWN not in binds:
-        return ()
-    return tuple(i for i, s in enumerate(statics) if isinstance(s, torch.Tensor))
+class _AliasGuard:
+    """Refuses a call whose inputs share storage where the static buffers could not keep it: an
+    input bound to fxsplit's own copy (OWN) sharing storage with an input the piece writes (the
+    copy would not see the write, or the write would not reach the caller's other view).
 
-
-def _check_aliasing(specs, entry, inputs, groups=None, binds=None) -> None:
-    """Refuse a call whose inputs share storage in a group that holds an input the piece writes
-    and an input bound to fxsplit's own copy: the copy would not see the write (or the write
-    would not reach the caller's other view).
-
-    Raises:
-        _Refused: naming the two inputs.
+    Inputs bound by address keep their capture-time storage on every replay (a move raises,
+    refuses or recaptures first), so the storages of the written ones are fixed here and each
+    call looks up only the OWN inputs' storages; only a piece that writes an OWN input compares
+    every pair.
     """
-    if entry is not None:
-        groups = entry.groups
-        binds = {i: b for i, _, _, b in entry.checks}
-        written = {i for i, _, _ in entry.written}
-    else:
-        binds = dict(enumerate(binds))
-        written = {i for i, spec in enumerate(specs) if spec.written}
-    seen: dict[int, int] = {}
-    for i in groups:
-        value = inputs[i]
-        if value.numel() == 0:
-            continue  # empty tensors all report storage address 0
-        ptr = value.untyped_storage().data_ptr()
-        j = seen.setdefault(ptr, i)
-        if j == i:
-            continue
-        if (i in written or j in written) and _OWN in (binds.get(i), binds.get(j)):
-            raise _Refused(
-                f"inputs {specs[j].name!r} and {specs[i].name!r} share storage and the piece "
-                "writes one of them; separate static buffers would not keep that aliasing"
-            )
+
+    __slots__ = ("fixed", "own", "wide")
+
+    def __init__(self, inputs, binds, written: list[int]):
+        self.own = tuple(i for i, b in enumerate(binds) if b == _OWN)
+        self.wide = any(binds[i] == _OWN for i in written)
+        self.fixed = {
+            _storage(inputs[i]): i for i in written if binds[i] != _OWN and inputs[i].numel()
+        }
+
+    def check(self, specs, inputs) -> None:
+        """Raises:
+        _Refused: naming the two inputs that share storage."""
+        if self.wide:
+            seen: dict[int, int] = {}
+            for i, value in enumerate(inputs):
+                if isinstance(value, torch.Tensor) and value.numel():
+                    j = seen.setdefault(_storage(value), i)
+                    if j != i:
+                        raise _Refused(_shared(specs, j, i))
+            return
+        fixed = self.fixed
+        for i in self.own:
+            value = inputs[i]
+            if value.numel():  # empty tensors all report storage address 0
+                j = fixed.get(_storage(value))
+                if j is not None:
+                    raise _Refused(_shared(specs, j, i))
+
+
+def _storage(value: torch.Tensor) -> int:
+    return value.untyped_storage().data_ptr()
+
+
+def _shared(specs, j: int, i: int) -> str:
+    return (
+        f"inputs {specs[j].name!r} and {specs[i].name!r} share storage and the piece writes one "
+        "of them; separate static buffers would not keep that aliasing"
+    )
 
 
 def _refuse_grad(outputs) -> None:
@@ -538,23 +551,26 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _exact(value):
-    """A capture-key part that tells apart what ``==`` does not: ``0.0`` / ``-0.0`` (by bits),
-    ``True`` / ``1`` (by type); NaN matches NaN."""
-    if value.__class__ is float:
-        return value.hex()
-    return (value.__class__, value)
+    """A capture-key part that tells apart what ``==`` does not: ``True`` / ``1`` / ``1.0`` (by
+    type), ``0.0`` / ``-0.0`` (by their text), while NaN matches NaN (by its text).
+    :func:`_key_function` inlines the same expression."""
+    return (value.__class__, value if value == value and value != 0 else repr(value))
 
 
 def _key_function(reads):
-    """``inputs -> capture key``: every host value the piece reads (exactly, see
+    """``inputs -> capture key``: every host value the piece reads (exactly, as
     :func:`_exact`) and each distinct dynamic size of its tensor inputs (see
     :func:`fxsplit.runtime.binding.key_reads`). Generated as one tuple expression because this
     runs on every call."""
     parts = [
-        f"_exact(a[{i}])" if d is None else f"a[{i}].shape" if d < 0 else f"a[{i}].shape[{d}]"
+        f"(a[{i}].__class__, a[{i}] if a[{i}] == a[{i}] and a[{i}] != 0 else repr(a[{i}]))"
+        if d is None
+        else f"a[{i}].shape"
+        if d < 0
+        else f"a[{i}].shape[{d}]"
         for i, d in reads
     ]
-    return eval(f"lambda a: ({''.join(p + ', ' for p in parts)})", {"_exact": _exact})
+    return eval(f"lambda a: ({''.join(p + ', ' for p in parts)})")
 
 
 def _flat(value):
