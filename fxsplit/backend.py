@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import difflib
 import gc
 import logging
 import threading
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import counters, trace
+from fxsplit import counters, runners, trace
 from fxsplit.config import Config
 from fxsplit.passes import Split, split
 from fxsplit.passes.mark import Policy
@@ -56,6 +57,7 @@ class Backend:
         self._count = 0
         self._lock = threading.Lock()
         self._matched: set[str] = set()
+        self._regions_seen: set[str] = set()
         self._warned: set[str] = set()
 
     def __repr__(self) -> str:
@@ -123,6 +125,7 @@ class Backend:
             if gc_was_enabled:
                 gc.enable()
         self._warn_unmatched(policy)
+        self._warn_misspelt_regions(config, result.marks)
         plan = result.plan
         self._warn_no_region(plan, result.marks, runner)
         self.plans.append(plan)
@@ -168,6 +171,25 @@ class Backend:
                 stitched.forward, placeholders, graph_id, config.warmup_runs, self._session
             )
         return stitched.forward
+
+    def _warn_misspelt_regions(self, config: Config, marks) -> None:
+        """Warn once per name when a configured region name (``eager_regions``, a
+        ``module_regions`` value) is carried by no node so far and looks like a misspelling of
+        a region fxsplit or a registered runner knows (``"attenion"``)."""
+        self._regions_seen.update(r for names in marks.regions.values() for r in names)
+        known = {r for name in runners.names() for r in runners.get(name).eager_regions}
+        known |= self._regions_seen
+        configured = set(config.eager_regions or ()) | set(config.module_regions.values())
+        for name in sorted(configured - known):
+            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.8)
+            if close and f"region:{name}" not in self._warned:
+                self._warned.add(f"region:{name}")
+                warnings.warn(
+                    f"fxsplit: region {name!r} is carried by no node and no runner knows it; "
+                    f"did you mean {' or '.join(map(repr, close))}?",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
     def _warn_no_region(self, plan: SplitPlan, marks, runner) -> None:
         """Warn once when a runner wants regions eager but nothing marks any: attention (if the
@@ -261,6 +283,7 @@ class Backend:
         self.compiled.clear()
         self._count = 0
         self._matched.clear()
+        self._regions_seen.clear()
         self._warned.clear()
 
 

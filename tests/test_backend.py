@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -131,3 +132,20 @@ def test_warns_once_when_a_runner_wants_regions_but_nothing_marks_any():
         torch.compile(f, backend=backend)(torch.randn(3, 4))
         torch.compile(lambda x: f(x) + 1, backend=backend)(torch.randn(3, 4))
     assert len([w for w in seen if "no node is in any region" in str(w.message)]) == 1
+
+
+def test_misspelt_region_name_warns_once_with_close_matches():
+    def f(x):
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = x.softmax(-1)
+        return h * 2
+
+    backend = fxsplit.Backend(eager_regions=["attenion"])
+    with pytest.warns(UserWarning, match="'attenion'.*did you mean 'attention'"):
+        torch.compile(f, backend=backend)(torch.randn(3, 4))
+    custom = fxsplit.Backend(eager_regions=["my_local_region"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message=".*no node is in any region")
+        torch._dynamo.reset()
+        torch.compile(f, backend=custom)(torch.randn(3, 4))  # not close to any: no warning
