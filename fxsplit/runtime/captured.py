@@ -307,8 +307,9 @@ class CapturedPiece(torch.nn.Module):
                 static.copy_(copy)
             graph.reset()
             raise
-        views = self._views(outputs, statics, binds)
-        for out, base in zip(_flat(outputs), self.aliasing.output_bases, strict=False):
+        bases = self._output_bases(outputs, statics)
+        views = self._views(outputs, statics, binds, bases)
+        for out, base in zip(_flat(outputs), bases, strict=True):
             if isinstance(out, torch.Tensor) and base is None:
                 # fxsplit's own memory: later pieces read it where it is (a view of a caller's
                 # tensor or parameter is never bound that way: a copy into it would write there)
@@ -328,14 +329,35 @@ class CapturedPiece(torch.nn.Module):
                 entry.synced[i] = session.sync_mark(inputs[i])
         return entry
 
-    def _views(self, outputs, statics, binds) -> tuple:
+    def _output_bases(self, outputs, statics) -> list[int | None]:
+        """Per output, the input whose static buffer it shares memory with at this capture key,
+        else None: the analysis's answer where the memory confirms it, else the memory's (a view
+        may be a copy at another size: ``reshape``, ``contiguous``)."""
+        facts = self.aliasing.output_bases
+        owners: dict[int, int] = {}
+        for i, static in enumerate(statics):
+            if isinstance(static, torch.Tensor) and static.numel():
+                owners.setdefault(_storage(static), i)
+        bases: list[int | None] = []
+        for j, out in enumerate(_flat(outputs)):
+            if not isinstance(out, torch.Tensor) or not out.numel():
+                bases.append(None)
+                continue
+            ptr = _storage(out)
+            fact = facts[j] if j < len(facts) else None
+            if fact is not None and _storage(statics[fact]) == ptr:
+                bases.append(fact)
+            else:
+                bases.append(owners.get(ptr))
+        return bases
+
+    def _views(self, outputs, statics, binds, bases) -> tuple:
         """``(j, i, size, stride, offset, dtype, conj, neg)`` per output that is a view of an
         OWN input ``i``: eagerly it aliases the caller's tensor, so each replay rebuilds it over
         that tensor (:func:`_rebuild`). ``offset`` counts elements of the output's dtype from
         the input's start; ``dtype`` is None where the view keeps the input's dtype."""
         views = []
-        bases = self.aliasing.output_bases
-        for j, (out, i) in enumerate(zip(_flat(outputs), bases, strict=False)):
+        for j, (out, i) in enumerate(zip(_flat(outputs), bases, strict=True)):
             if i is None or binds[i] != _OWN or not isinstance(out, torch.Tensor):
                 continue
             static = statics[i]
