@@ -672,12 +672,15 @@ def test_compiled_equals_eager(case):
 
 
 def test_feature_frequencies_at_least_ten_percent():
-    """Draws 200 programs with the same strategy (no compile) and checks every feature's share."""
+    """Draws 600 programs with the same strategy (no compile) and checks every feature's share.
+
+    600 rather than the CI profile's 200: derandomized draws differ between hypothesis
+    versions, and a feature near the threshold must not fail on one version's short stream."""
     counts: Counter[str] = Counter()
     drawn = []
 
     @settings(
-        max_examples=200,
+        max_examples=600,
         database=None,
         derandomize=True,
         phases=[Phase.generate],
@@ -689,7 +692,7 @@ def test_feature_frequencies_at_least_ten_percent():
         counts.update(features(case))
 
     collect()
-    assert len(drawn) >= 150
+    assert len(drawn) >= 450
     shares = {f: counts[f] / len(drawn) for f in FEATURES}
     low = {f: round(s, 3) for f, s in shares.items() if s < 0.10}
     assert not low, f"features under 10%: {low}; all: {shares}"
