@@ -104,10 +104,19 @@ def _aliasing(gm: GraphModule, parts, done) -> list[aliasing.PieceAliasing | Non
     return [
         aliasing.analyse(
             module.forward,
-            [nodes[name].meta.get("example_value") for name in module.input_names],
+            [_example(gm, nodes[name]) for name in module.input_names],
             len(module.output_names),
         )
         if part.kind == partition.CAPTURED
         else None
         for part, module in zip(parts, done.pieces, strict=True)
     ]
+
+
+def _example(gm: GraphModule, node: torch.fx.Node) -> object:
+    """Dynamo's example value of ``node``; for a ``get_attr`` of a subgraph module (the
+    branches of ``cond``, the body of ``wrap``), the module itself."""
+    value = node.meta.get("example_value")
+    if value is None and node.op == "get_attr":
+        return materialise.fetch(gm, node.target)
+    return value

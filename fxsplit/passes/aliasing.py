@@ -66,6 +66,9 @@ def _collector() -> Callable:
     return run_functionalized_fw_and_collect_metadata
 
 
+_TRACED = (torch.Tensor, int, float, bool, complex, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def _hint(value: object) -> object:
     """A symbolic int/float/bool as the concrete value Dynamo traced it with."""
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -99,7 +102,9 @@ def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) ->
     Args:
         fn: the piece function; returns one value, a tuple of ``num_outputs`` values, or None.
         example_inputs: Dynamo's fake example values of the piece's inputs (FakeTensors with
-            symbolic sizes, SymInts, Python scalars); None where a value has no example.
+            symbolic sizes, SymInts, Python scalars), or the object itself for a ``get_attr``
+            input that is not a tensor (the subgraph modules of ``cond``, ``while_loop``,
+            ``wrap``, ...: passed through, not traced); None where a value has no example.
         num_outputs: how many values the piece returns.
 
     Returns:
@@ -107,12 +112,19 @@ def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) ->
         example values, an op without a fake kernel, a torch without the metadata collector).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     if any(v is None for v in example_inputs):
         return PieceAliasing(error="an input has no traced example value")
 
+    # Only tensors and scalars are the analysis's inputs; subgraph modules are closed over.
+    traced = [i for i, v in enumerate(example_inputs) if isinstance(v, _TRACED)]
+    full = list(example_inputs)
+
     def flat_fn(*args):
-        out = fn(*args)
+        for i, arg in zip(traced, args, strict=True):
+            full[i] = arg
+        out = fn(*full)
         return out if isinstance(out, tuple) and num_outputs != 1 else (out,)
 
     try:
@@ -121,12 +133,14 @@ def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) ->
         # environment, and ops run the kernels eager runs (the Python dispatcher's
         # decompositions can differ in aliasing: eval-mode dropout returns its input, its
         # decomposition a clone).
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            inputs = [_fresh(v) for v in example_inputs]
+        # A shape environment of its own lets HOPs whose fake kernels make unbacked sizes
+        # (``while_loop``) run; the inputs' sizes stay concrete.
+        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
+            inputs = [_fresh(example_inputs[i]) for i in traced]
             meta = _run(collect, flat_fn, inputs)
     except Exception as error:  # any failure: the piece is not captured on a guess
         return PieceAliasing(error=f"aliasing analysis failed: {type(error).__name__}: {error}")
-    return _facts(meta, num_outputs)
+    return _facts(meta, num_outputs, traced)
 
 
 def _run(collect: Callable, fn: Callable, inputs: list) -> object:
@@ -140,12 +154,15 @@ def _run(collect: Callable, fn: Callable, inputs: list) -> object:
         return collect(fn, **kwargs)(*inputs)
 
 
-def _facts(meta, num_outputs: int) -> PieceAliasing:
+def _facts(meta, num_outputs: int, traced: Sequence[int]) -> PieceAliasing:
+    """The collected metadata by piece input position (``traced[i]`` is the piece input the
+    analysis's input ``i`` stands for)."""
     from torch._functorch._aot_autograd.schemas import OutputType
 
     to_input = (OutputType.alias_of_input, OutputType.is_input)
-    written = frozenset(i for i, info in enumerate(meta.input_info) if info.mutates_data)
-    metadata = frozenset(i for i, info in enumerate(meta.input_info) if info.mutates_metadata)
+    infos_in = meta.input_info
+    written = frozenset(traced[i] for i, info in enumerate(infos_in) if info.mutates_data)
+    metadata = frozenset(traced[i] for i, info in enumerate(infos_in) if info.mutates_metadata)
     infos = meta.output_info
     if len(infos) != num_outputs:
         # A piece output that is itself a container flattens into several entries: its leaves'
@@ -155,5 +172,5 @@ def _facts(meta, num_outputs: int) -> PieceAliasing:
                 error="an output holding several tensors aliases an input of the piece"
             )
         return PieceAliasing(written, metadata, (None,) * num_outputs)
-    bases = tuple(info.base_idx if info.output_type in to_input else None for info in infos)
+    bases = tuple(traced[info.base_idx] if info.output_type in to_input else None for info in infos)
     return PieceAliasing(written, metadata, bases)

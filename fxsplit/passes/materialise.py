@@ -141,7 +141,7 @@ def materialise(
         if node.op in ("placeholder", "get_attr"):
             env[node] = stitched.node_copy(node, env.__getitem__)
             if node.op == "get_attr":
-                attrs[node.target] = _fetch(gm, node.target)
+                attrs[node.target] = fetch(gm, node.target)
     for node in host:
         env[node] = stitched.node_copy(node, env.__getitem__)
     for i, piece in enumerate(pieces):
@@ -173,7 +173,8 @@ def bind_piece(stitched: GraphModule, piece: torch.nn.Module) -> None:
     object.__setattr__(stitched, piece.name, piece)
 
 
-def _fetch(gm: GraphModule, target: str) -> object:
+def fetch(gm: GraphModule, target: str) -> object:
+    """The attribute a ``get_attr`` node's dotted ``target`` names on ``gm``."""
     obj: object = gm
     for atom in target.split("."):
         obj = getattr(obj, atom)

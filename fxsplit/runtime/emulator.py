@@ -138,6 +138,8 @@ _CONSTANT_OPS = frozenset({aten.lift_fresh.default})
 
 
 def _op_name(func: Any) -> str:
+    if isinstance(func, torch._ops.HigherOrderOperator):
+        return f"higher_order::{func.name()}"
     schema = getattr(func, "_schema", None)
     if schema is None:
         return str(func)
@@ -274,12 +276,39 @@ class _Checker(TorchDispatchMode):
         super().__init__()
         self.graph = graph
 
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return _run_hop(self.graph, func, args, kwargs)
         bad = _illegal_op(func, args, kwargs)
         if bad is not None:
             self.graph._fail(*bad)
         return _run_checked(self.graph, func, args, kwargs)
+
+
+def _run_hop(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Run a higher-order op (``cond``, ``while_loop``, ``invoke_subgraph``, ``wrap``,
+    ``auto_functionalized``, ...) once, checking every aten op its subgraphs run.
+
+    A HOP's dense kernel asserts that no dispatch mode is active when it starts, so the op runs
+    with the modes off and each subgraph module it calls pushes a checking mode while it runs.
+    Python branching on a tensor (``cond`` on a tensor predicate, ``while_loop``'s condition)
+    still meets the host-read guard, as a CUDA capture meets the sync.
+    """
+
+    def checked(module: torch.nn.Module) -> Callable:
+        def run(*a: Any, **kw: Any) -> Any:
+            with _Checker(graph):
+                return module(*a, **kw)
+
+        return run
+
+    flat, spec = tree_flatten((args, kwargs))
+    wrapped = [checked(a) if isinstance(a, torch.nn.Module) else a for a in flat]
+    run_args, run_kwargs = tree_unflatten(wrapped, spec)
+    return func(*run_args, **run_kwargs)
 
 
 class _Recorder(TorchDispatchMode):
@@ -289,12 +318,19 @@ class _Recorder(TorchDispatchMode):
         self.steps: list[tuple] = []
         self.actions: list[tuple[str, str]] = []
 
+    # A higher-order op records and replays as one unit, like a custom op: replay re-runs it on
+    # the recorded tensors, with the host values (a ``cond`` predicate on a size) frozen.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        bad = _illegal_op(func, args, kwargs)
-        if bad is not None:
-            self.graph._fail(*bad)
-        out = _run_checked(self.graph, func, args, kwargs)
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            out = _run_hop(self.graph, func, args, kwargs)
+        else:
+            bad = _illegal_op(func, args, kwargs)
+            if bad is not None:
+                self.graph._fail(*bad)
+            out = _run_checked(self.graph, func, args, kwargs)
         self._record(func, args, kwargs, out)
         return out
 
@@ -363,6 +399,13 @@ class _HostReadGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            # A HOP's kernel branches on tensors in Python (``cond``'s predicate,
+            # ``while_loop``'s condition): keep guarding inside it, then dispatch as its
+            # ``__call__`` would after the torch-function check.
+            with self:
+                keys = torch._ops._compute_keyset(args, kwargs, func.non_fallthrough_keys)
+                return func.dispatch(keys.highestPriorityTypeId(), *args, **kwargs)
         try:
             hit = _HOST_READS.get(func)
         except TypeError:  # unhashable callable
@@ -483,6 +526,10 @@ class EmulatedGraph:
       ``masked_select``, ``x[mask]``, ...), ``synchronize`` calls, pinned allocations, ops tagged
       ``cudagraph_unsafe`` and nested capture. The graph then holds no record, even if ``fn``
       caught the error (CUDA invalidates the capture in that case too).
+    * Higher-order ops (``cond``, ``while_loop``, ``invoke_subgraph``, ``wrap``,
+      ``auto_functionalized``) record and replay as one unit, with every aten op of their
+      subgraphs checked: ``cond`` on a host predicate (a size) replays the branch frozen at
+      capture; a predicate or loop condition read from a tensor is a host read, rejected.
     * Replaying another ``EmulatedGraph`` during a capture records its ops into this one (the
       way a graph launch inside capture becomes a child graph).
 
