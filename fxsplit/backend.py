@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import difflib
 import gc
 import logging
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import counters, runners, trace
+from fxsplit import counters, trace
 from fxsplit.config import Config
+from fxsplit.config_checks import ConfigChecks, WarnOnSecondCall
 from fxsplit.passes import Split, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
@@ -56,9 +55,7 @@ class Backend:
         self._session = CaptureSession()
         self._count = 0
         self._lock = threading.Lock()
-        self._matched: set[str] = set()
-        self._regions_seen: set[str] = set()
-        self._warned: set[str] = set()
+        self.checks = ConfigChecks()
 
     def __repr__(self) -> str:
         default = Config()
@@ -124,10 +121,8 @@ class Backend:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        self._warn_unmatched(policy)
-        self._warn_misspelt_regions(config, result.marks)
         plan = result.plan
-        self._warn_no_region(plan, result.marks, runner)
+        self.checks.note(policy, config, plan, result.marks)
         self.plans.append(plan)
         log.info(
             "%s: %d nodes -> %d pieces (%d captured, %d eager) in %.1f ms",
@@ -162,62 +157,23 @@ class Backend:
             self._dumps.append((folder, runtime))
             _BACKENDS_WITH_DUMPS.add(self)
             log.info("fxsplit %s: dump in %s", graph_id, folder)
-        if runtime is not None:
-            return runtime
+        compiled = runtime if runtime is not None else self._uncaptured(result, config, frame)
+        if self.checks.pending:
+            return WarnOnSecondCall(compiled, self.checks.warn)
+        return compiled
+
+    def _uncaptured(self, result: Split, config: Config, frame: Frame | None) -> Callable:
         stitched = result.materialised.stitched
         if config.binding == "strict" and not (frame is not None and frame.resumed):
             placeholders = list(stitched.graph.find_nodes(op="placeholder"))
             return StrictInputs(
-                stitched.forward, placeholders, graph_id, config.warmup_runs, self._session
+                stitched.forward,
+                placeholders,
+                result.plan.graph_id,
+                config.warmup_runs,
+                self._session,
             )
         return stitched.forward
-
-    def _warn_misspelt_regions(self, config: Config, marks) -> None:
-        """Warn once per name when a configured region name (``eager_regions``, a
-        ``module_regions`` value) is carried by no node so far and looks like a misspelling of
-        a region fxsplit or a registered runner knows (``"attenion"``)."""
-        self._regions_seen.update(r for names in marks.regions.values() for r in names)
-        known = {r for name in runners.names() for r in runners.get(name).eager_regions}
-        known |= self._regions_seen
-        configured = set(config.eager_regions or ()) | set(config.module_regions.values())
-        for name in sorted(configured - known):
-            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.8)
-            if close and f"region:{name}" not in self._warned:
-                self._warned.add(f"region:{name}")
-                warnings.warn(
-                    f"fxsplit: region {name!r} is carried by no node and no runner knows it; "
-                    f"did you mean {' or '.join(map(repr, close))}?",
-                    UserWarning,
-                    stacklevel=3,
-                )
-
-    def _warn_no_region(self, plan: SplitPlan, marks, runner) -> None:
-        """Warn once when a runner wants regions eager but nothing marks any: attention (if the
-        graph has any) is then captured with everything else."""
-        if not runner.eager_regions or marks.regions or plan.eager or "no-region" in self._warned:
-            return
-        self._warned.add("no-region")
-        warnings.warn(
-            f"fxsplit {plan.graph_id}: no node is in any region, so runner {runner.name!r} "
-            f"(eager: {', '.join(sorted(runner.eager_regions))}) runs nothing eagerly and any "
-            "attention in this graph is captured; mark it with fxsplit.region(...), "
-            "module_regions={'<AttentionClass>': 'attention'} or splitting_ops=['ns::op']",
-            UserWarning,
-            stacklevel=3,
-        )
-
-    def _warn_unmatched(self, policy: Policy) -> None:
-        matched = policy.splitting_ops.used | policy.module_regions.used
-        self._matched |= matched | policy.eager_modules.used
-        for pattern in policy.unused_patterns():
-            if pattern not in self._matched and pattern not in self._warned:
-                self._warned.add(pattern)
-                warnings.warn(
-                    f"fxsplit: {pattern!r} (splitting_ops / module_regions / eager_modules) "
-                    "matched no node of the compiled graph",
-                    UserWarning,
-                    stacklevel=2,
-                )
 
     def _device_capture(self, mode: str, device: torch.device) -> DeviceCapture | None:
         """The memory pool and capture stream shared by this backend's graphs on ``device``."""
@@ -282,9 +238,7 @@ class Backend:
         self.plans.clear()
         self.compiled.clear()
         self._count = 0
-        self._matched.clear()
-        self._regions_seen.clear()
-        self._warned.clear()
+        self.checks.reset()
 
 
 def _frame() -> Frame | None:

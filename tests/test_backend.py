@@ -128,10 +128,27 @@ def test_warns_once_when_a_runner_wants_regions_but_nothing_marks_any():
         return (x @ x.t()).softmax(-1) @ x
 
     backend = fxsplit.Backend()
-    with pytest.warns(UserWarning, match="no node is in any region") as seen:
-        torch.compile(f, backend=backend)(torch.randn(3, 4))
-        torch.compile(lambda x: f(x) + 1, backend=backend)(torch.randn(3, 4))
-    assert len([w for w in seen if "no node is in any region" in str(w.message)]) == 1
+    with pytest.warns(UserWarning, match="is in any region") as seen:
+        for fn in (f, lambda x: f(x) + 1):
+            compiled = torch.compile(fn, backend=backend)
+            compiled(torch.randn(3, 4))
+            compiled(torch.randn(3, 4))  # judged when a graph runs again
+    assert len([w for w in seen if "is in any region" in str(w.message)]) == 1
+
+
+def test_regions_only_after_a_graph_break_do_not_warn():
+    def f(x):
+        h = x.sin()
+        torch._dynamo.graph_break()
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.softmax(-1)
+        return h * 2
+
+    compiled = torch.compile(f, backend=fxsplit.Backend())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for _ in range(3):
+            compiled(torch.randn(3, 4))
 
 
 def test_misspelt_region_name_warns_once_with_close_matches():
@@ -142,10 +159,34 @@ def test_misspelt_region_name_warns_once_with_close_matches():
 
     backend = fxsplit.Backend(eager_regions=["attenion"])
     with pytest.warns(UserWarning, match="'attenion'.*did you mean 'attention'"):
-        torch.compile(f, backend=backend)(torch.randn(3, 4))
+        compiled = torch.compile(f, backend=backend)
+        compiled(torch.randn(3, 4))
+        compiled(torch.randn(3, 4))
     custom = fxsplit.Backend(eager_regions=["my_local_region"])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        warnings.filterwarnings("ignore", message=".*no node is in any region")
+        warnings.filterwarnings("ignore", message=".*is in any region")
         torch._dynamo.reset()
-        torch.compile(f, backend=custom)(torch.randn(3, 4))  # not close to any: no warning
+        compiled = torch.compile(f, backend=custom)
+        compiled(torch.randn(3, 4))
+        compiled(torch.randn(3, 4))  # not close to any: no warning
+
+
+def test_explain_leaves_nothing_in_dynamo_caches():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            y = x.sin()
+            torch._dynamo.graph_break()
+            return y.cos()
+
+    model, x = M(), torch.randn(4)
+    for _ in range(20):  # past Dynamo's recompile limit (8) if each left an entry
+        assert len(fxsplit.explain(model, x)) == 2
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, backend=count)(x)
+    assert len(graphs) == 2

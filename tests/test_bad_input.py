@@ -234,7 +234,10 @@ def test_pattern_matching_nothing_warns_naming_it_once(options):
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         model(torch.ones(2, 4))
-        model(torch.ones(3, 4))  # a recompile: no second warning
+        assert not [w for w in caught if "matched no node" in str(w.message)]  # not judged yet
+        model(torch.ones(3, 4))  # a recompile
+        model(torch.ones(2, 4))  # graph_0 runs again: every graph of the first call is known
+        model(torch.ones(3, 4))
     hits = [w for w in caught if "matched no node" in str(w.message)]
     assert len(hits) == 1, [str(w.message) for w in caught]
     assert issubclass(hits[0].category, UserWarning)
@@ -249,6 +252,30 @@ def test_pattern_that_matches_does_not_warn():
         model(torch.ones(2, 4))
     assert not [w for w in caught if "matched no node" in str(w.message)]
     assert backend.plans[0].pieces[0].reasons == ("module:Block", "module:layers.1")
+
+
+@pytest.mark.parametrize("capture", ["off", "emulate"])
+def test_pattern_matching_only_after_a_graph_break_does_not_warn(capture):
+    def f(x):
+        x = x.sin() + 1
+        torch._dynamo.graph_break()
+        return torch.topk(x, 2).values * 2
+
+    backend = fxsplit.Backend(splitting_ops=["aten::topk"], capture=capture)
+    model = torch.compile(f, backend=backend)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(4):
+            model(torch.randn(6))
+    assert len(backend.plans) == 2
+    assert not [str(w.message) for w in caught if "fxsplit" in str(w.message)]
+
+
+def test_explain_judges_patterns_after_its_one_call():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxsplit.explain(Model(), torch.ones(2, 4), splitting_ops=["mylib::not_in_this_graph"])
+    assert len([w for w in caught if "matched no node" in str(w.message)]) == 1
 
 
 # ---------------------------------------------------------------------------------------------
