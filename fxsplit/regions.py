@@ -9,6 +9,8 @@ region name gets a key of its own and nested regions keep every enclosing name.
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 import warnings
 from collections.abc import Iterator
 
@@ -21,24 +23,57 @@ ATTENTION = "attention"
 
 REGION_KEY_PREFIX = "fxsplit.region:"
 
-_warned_graph_break: set[str] = set()
+_warned_eager: set[tuple[str, bool]] = set()
 
 
 _get_eval_frame_callback = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None)
 
 
 @torch.compiler.disable
-def _warn_graph_break(name: str) -> None:
-    if name in _warned_graph_break:
+def _warn_eager_region(name: str) -> None:
+    limited = _recompile_limited_frame()
+    key = (name, limited is not None)
+    if key in _warned_eager:
         return
-    _warned_graph_break.add(name)
+    _warned_eager.add(key)
+    if limited is not None:
+        code, entries, limit = limited
+        cause = (
+            f"Dynamo reached its recompile limit on {code.co_name!r} ({code.co_filename}:"
+            f"{code.co_firstlineno}: {entries} compiled versions, "
+            f"torch._dynamo.config.recompile_limit={limit}) and now runs it eagerly, so fxsplit "
+            "never sees this call. Find what changes between calls with "
+            'TORCH_LOGS="recompiles" (a Python int or a new shape on every call), mark it '
+            "dynamic, or raise the limit."
+        )
+    else:
+        cause = (
+            "a graph break inside the region made Dynamo skip the whole frame (torch logs "
+            '"WON\'T CONVERT"), so fxsplit never saw it. Move the graph break out of the region.'
+        )
     warnings.warn(
-        f"fxsplit.region({name!r}) ran eagerly inside torch.compile: a graph break inside the "
-        'region made Dynamo skip the whole frame (torch logs "WON\'T CONVERT"), so fxsplit never '
-        "saw it. Move the graph break out of the region.",
+        f"fxsplit.region({name!r}) ran eagerly inside torch.compile: {cause}",
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def _recompile_limited_frame() -> tuple[types.CodeType, int, int] | None:
+    """The nearest calling frame whose code Dynamo compiled ``recompile_limit`` times or more
+    (it then runs that code eagerly): (code, compiled versions, limit); None if there is none."""
+    from torch._dynamo import config
+
+    get_entries = getattr(torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if get_entries is None:
+        return None
+    limit = config.recompile_limit
+    frame = sys._getframe(1)
+    while frame is not None:
+        entries = len(get_entries(frame.f_code))
+        if entries >= limit:
+            return frame.f_code, entries, limit
+        frame = frame.f_back
+    return None
 
 
 def region_key(name: str) -> str:
@@ -54,7 +89,8 @@ def region(name: str) -> Iterator[None]:
     "fxsplit.region:<name>"] = True``; nesting keeps all enclosing names. The runner policy
     (:class:`fxsplit.runners.Runner`) decides whether the region runs eagerly or is captured.
     Outside torch.compile it changes nothing, except that a region run eagerly because Dynamo
-    skipped its frame (a graph break inside it) warns once per region name.
+    skipped its frame warns once per region name and cause, naming the cause: a graph break
+    inside the region, or the frame's recompile limit.
 
     Args:
         name: region name, a non-empty string, e.g. :data:`ATTN_PREP`, :data:`SPARSE_INDEXER`,
@@ -69,14 +105,14 @@ def region(name: str) -> Iterator[None]:
     if not name:
         raise ValueError("fxsplit.region name must be a non-empty string")
     # Running eagerly with Dynamo's frame callback installed means torch.compile skipped the
-    # enclosing frame, almost always for a graph break inside this region: the backend never
-    # sees such a frame, so this is the only place it can be reported.
+    # enclosing frame (a graph break inside this region, or the frame's recompile limit): the
+    # backend never sees such a frame, so this is the only place it can be reported.
     if (
         not torch.compiler.is_compiling()
         and _get_eval_frame_callback is not None
         and _get_eval_frame_callback() is not None
     ):
-        _warn_graph_break(name)
+        _warn_eager_region(name)
     with annotate({region_key(name): True}):
         yield
 

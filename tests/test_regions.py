@@ -18,7 +18,8 @@ _names = itertools.count()
 def unique(prefix: str) -> str:
     """A region name no other test uses (the graph-break warning is once per name)."""
     name = f"{prefix}_{next(_names)}"
-    regions._warned_graph_break.discard(name)
+    regions._warned_eager.discard((name, False))
+    regions._warned_eager.discard((name, True))
     return name
 
 
@@ -151,7 +152,7 @@ def test_eager_use_changes_nothing_and_does_not_warn():
         got = f(x)
     assert torch.equal(got, x.sin() * 3)
     assert not fxsplit_warnings(record)
-    assert name not in regions._warned_graph_break
+    assert not {key for key in regions._warned_eager if key[0] == name}
 
 
 def test_region_passes_exceptions_through():
@@ -178,11 +179,32 @@ def test_graph_break_inside_region_warns_once():
     found = fxsplit_warnings(record)
     assert len(found) == 1
     assert found[0].category is RuntimeWarning
-    assert repr(name) in str(found[0].message)
+    assert repr(name) in str(found[0].message) and "graph break" in str(found[0].message)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         assert torch.equal(compiled(x), f(x))
     assert not fxsplit_warnings(record)
+
+
+def test_region_run_eagerly_past_the_recompile_limit_names_that_cause(monkeypatch):
+    name = unique("limited")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+
+    def f(x, step):
+        with fxsplit.region(name):
+            a = x.cos() * step  # a Python int: one graph per value
+        return a + 1
+
+    compiled = _compile(f, Recorder(), dynamic=False)
+    x = torch.randn(3)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for step in range(4):
+            assert torch.equal(compiled(x, step), f(x, step))
+    found = fxsplit_warnings(record)
+    assert len(found) == 1, [str(w.message) for w in found]
+    message = str(found[0].message)
+    assert "recompile limit" in message and "'f'" in message and "graph break" not in message
 
 
 def test_no_warning_without_graph_break():
