@@ -153,7 +153,13 @@ class Backend:
             )
             self.runtimes.append(runtime)
         if dump_root:
-            folder = dump.write_dump(dump_root, result, graph_code, example_inputs=example_inputs)
+            folder = dump.write_dump(
+                dump_root,
+                result,
+                graph_code,
+                example_inputs=example_inputs,
+                model=frame.model if frame is not None else None,
+            )
             self._dumps.append((folder, runtime))
             _BACKENDS_WITH_DUMPS.add(self)
             log.info("fxsplit %s: dump in %s", graph_id, folder)
@@ -256,7 +262,10 @@ def _frame() -> Frame | None:
     # Dynamo names the functions that resume a frame after a graph break this way.
     resumed = code.co_name.startswith("torch_dynamo_resume_in_")
     root = type(receiver) if isinstance(receiver, torch.nn.Module) else None
-    return Frame(tuple(code.co_varnames[:count]), resumed, root)
+    name = root.__name__ if root is not None else code.co_name
+    if resumed:  # torch_dynamo_resume_in_<function>_at_<line>
+        name = root.__name__ if root is not None else name.split("_in_", 1)[1].rsplit("_at_")[0]
+    return Frame(tuple(code.co_varnames[:count]), resumed, root, name)
 
 
 def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | None]:

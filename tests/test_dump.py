@@ -199,7 +199,7 @@ scale attn_prep eager/captured region:attn_prep""",
 def test_dump_folder_has_every_item(tmp_path):
     folder = _tiny_dump(tmp_path)
     assert folder.parent == tmp_path
-    assert re.fullmatch(r"\d{3,}_graph_0", folder.name)
+    assert re.fullmatch(r"\d{3,}_v1_graph_0", folder.name)
     names = {p.name for p in folder.iterdir()}
     expected = {"dynamo_graph.py", "plan.txt", "plan.json", "stitched.py", "split.dot"}
     expected |= {f"piece_{i}.py" for i in range(5)} | {"report.html"}
@@ -225,7 +225,7 @@ def test_folders_never_overwrite(tmp_path):
     assert first != second and first.is_dir() and second.is_dir()
     # a folder made by someone else with the next number is skipped, not reused
     index = int(second.name.split("_")[0]) + 1
-    taken = tmp_path / f"{index:03d}_graph_0"
+    taken = tmp_path / f"{index:03d}_v1_graph_0"
     taken.mkdir()
     third = dump.write_dump(tmp_path, split, code)
     assert third not in (first, second, taken) and not list(taken.iterdir())

@@ -118,11 +118,13 @@ class Frame:
         resumed: a frame Dynamo resumes after a graph break: its arguments are the live values
             of the model at the break, not tensors the caller handed in.
         root: the class of the ``nn.Module`` whose method the frame runs, if any.
+        model: the root's class name, else the function's name (for dump folder names).
     """
 
     arg_names: tuple[str, ...]
     resumed: bool = False
     root: type | None = None
+    model: str | None = None
 
 
 class GraphRuntime:

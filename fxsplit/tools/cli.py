@@ -82,8 +82,8 @@ def _compile(spec: str, factory, options: dict):
     """Compile a fresh model from ``factory`` with fxsplit (capture off) and run it once.
 
     Returns:
-        ``(backend, records)``: records are ``(split, dynamo graph code, example inputs)`` per
-        compiled graph, in compile order.
+        ``(name, records)``: the model's class or function name, and ``(split, dynamo graph
+        code, example inputs)`` per compiled graph, in compile order.
     """
     import torch
 
@@ -111,7 +111,8 @@ def _compile(spec: str, factory, options: dict):
         (split, code, inputs)
         for split, (code, inputs) in zip(backend.compiled, codes, strict=False)
     ]
-    return backend, records
+    name = type(model).__name__ if isinstance(model, torch.nn.Module) else None
+    return name or getattr(model, "__name__", None), records
 
 
 def _console():
@@ -127,11 +128,11 @@ def _dump(args) -> int:
     from fxsplit.tools.dump import plan_table, write_dump
 
     factory = _load_factory(args.factory)
-    _, records = _compile(args.factory, factory, _options(args.options, args.runner))
+    name, records = _compile(args.factory, factory, _options(args.options, args.runner))
     console = _console()
     for split, code, inputs in records:
         console.print(plan_table(split.plan))
-        folder = write_dump(args.out, split, code, example_inputs=inputs)
+        folder = write_dump(args.out, split, code, example_inputs=inputs, model=name)
         console.print(f"wrote {folder}", highlight=False, soft_wrap=True)
     if not records:
         console.print("no graph was compiled (nothing to dump)")

@@ -16,9 +16,11 @@
 ``runtime.json``              run-time figures, once :func:`write_runtime_stats` is called
 ============================  ====================================================================
 
-Folder names are ``<counter>_<graph_id>`` (``000_graph_0``, ``001_graph_1``, ``002_graph_0``
-after a reset): the counter is process-wide and a folder that already exists (an earlier run, or
-another process writing to the same root) is skipped, never overwritten.
+Folder names are ``<counter>_<model>_<runner>_<graph_id>`` (``000_DeepseekV4Model_v1_graph_0``,
+``001_DeepseekV4Model_v2_graph_0``, ``002_DeepseekV4ForCausalLM_v2_graph_1``; the model is the
+root module's class or the compiled function's name, left out where unknown): the counter is
+process-wide and a folder that already exists (an earlier run, or another process writing to the
+same root) is skipped, never overwritten.
 """
 
 from __future__ import annotations
@@ -76,12 +78,16 @@ _counter = itertools.count()
 _counter_lock = threading.Lock()
 
 
-def _new_folder(root: Path, graph_id: str) -> Path:
+def _safe(part: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", part)
+
+
+def _new_folder(root: Path, label: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     while True:
         with _counter_lock:
             index = next(_counter)
-        folder = root / f"{index:03d}_{graph_id}"
+        folder = root / f"{index:03d}_{label}"
         try:
             folder.mkdir()  # atomic: never reuses a folder another writer created
         except FileExistsError:
@@ -343,7 +349,14 @@ def _write_picture(folder: Path, split) -> None:
     (folder / "split_svg_missing.txt").write_text(_INSTALL_NOTE.format(why=why), encoding="utf-8")
 
 
-def write_dump(root: str | os.PathLike, split, graph_code: str, *, example_inputs=None) -> Path:
+def write_dump(
+    root: str | os.PathLike,
+    split,
+    graph_code: str,
+    *,
+    example_inputs=None,
+    model: str | None = None,
+) -> Path:
     """Write the dump folder of one compiled graph under ``root`` (created if missing).
 
     Args:
@@ -353,6 +366,8 @@ def write_dump(root: str | os.PathLike, split, graph_code: str, *, example_input
             ``gm.code``; the split pass modifies the graph in place, so take it before).
         example_inputs: the example inputs Dynamo gave the backend (optional; described in
             ``plan.json``).
+        model: what was compiled (the root module's class or the function's name), part of
+            the folder name with the runner so dumps of models and runners tell apart.
 
     Returns:
         the new folder (see the module docstring for its name and files).
@@ -362,7 +377,9 @@ def write_dump(root: str | os.PathLike, split, graph_code: str, *, example_input
     """
     from fxsplit.tools import report
 
-    folder = _new_folder(Path(root), split.plan.graph_id)
+    plan = split.plan
+    label = "_".join(_safe(part) for part in (model, plan.runner, plan.graph_id) if part)
+    folder = _new_folder(Path(root), label)
     write = _writer(folder)
     write("dynamo_graph.py", graph_code if graph_code.endswith("\n") else graph_code + "\n")
     write("plan.txt", split.plan.format() + "\n")
