@@ -25,6 +25,9 @@ class Piece:
         aliases: ``"output -> input"`` for each output that is a view of one of its inputs.
         devices: the devices of the tensors it reads and makes (``"cuda:0"``, ``"cpu"``).
         random: it draws random numbers (an op tagged ``nondeterministic_seeded``).
+        same_as: the first piece with the same code (structure, targets, constants and global
+            state; another layer of the same model), whose code object, and compiled artifact
+            when pieces are compiled, this one shares; None for the first of its kind.
     """
 
     name: str
@@ -40,6 +43,7 @@ class Piece:
     aliases: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     random: bool = False
+    same_as: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,14 @@ class SplitPlan:
     def eager(self) -> list[Piece]:
         """The eager pieces."""
         return [p for p in self.pieces if p.kind == "eager"]
+
+    def sharing(self) -> dict[str, list[str]]:
+        """First piece -> every piece sharing its code (itself first), for groups of two or
+        more."""
+        groups: dict[str, list[str]] = {}
+        for p in self.pieces:
+            groups.setdefault(p.same_as or p.name, []).append(p.name)
+        return {first: names for first, names in groups.items() if len(names) > 1}
 
     def rows(self, sep: str = ",") -> list[tuple[str, str, str, str, str]]:
         """One ``(piece, kind, ops, regions, reasons)`` row of text per piece; ``"-"`` for none."""

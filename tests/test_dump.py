@@ -170,7 +170,8 @@ pieces: list[dict]
     shape: list[int|str]
     dtype: str
     device: str
-  file: str""",
+  file: str
+  same_code_as: NoneType""",
         )
 
     def test_diff_tiny(self):

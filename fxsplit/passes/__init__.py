@@ -59,6 +59,7 @@ def split(
     parts = partition.partition(marks)
     done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host)
     facts = _aliasing(gm, parts, done) if analyse else [None] * len(parts)
+    names = {n.name: n for n in gm.graph.nodes}
     pieces = tuple(
         Piece(
             name=module.name,
@@ -69,8 +70,9 @@ def split(
             nodes=tuple(n.name for n in part.nodes),
             inputs=module.input_names,
             outputs=module.output_names,
-            devices=_devices(part.nodes),
+            devices=_devices(part.nodes, (names[n] for n in module.input_names)),
             random=any(ops.is_random(n) for n in part.nodes),
+            same_as=module.same_as if module.same_as != module.name else None,
             **({} if fact is None else fact.describe(module.input_names, module.output_names)),
         )
         for part, module, fact in zip(parts, done.pieces, facts, strict=True)
@@ -86,31 +88,42 @@ def split(
     return Split(plan, gm, marks, parts, done, facts)
 
 
-def _devices(nodes) -> tuple[str, ...]:
-    """Devices of the tensors a piece's nodes read and make (from Dynamo's example values)."""
+def _devices(nodes, inputs) -> tuple[str, ...]:
+    """Devices of the tensors a piece's nodes make and its inputs hold (Dynamo's example
+    values)."""
     found = set()
-    for node in nodes:
-        for value in (
-            node.meta.get("example_value"),
-            *(a.meta.get("example_value") for a in node.all_input_nodes),
-        ):
-            if isinstance(value, torch.Tensor):
-                found.add(str(value.device))
-    return tuple(sorted(found))
+    for node in (*nodes, *inputs):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            found.add(value.device)
+    return tuple(sorted(map(str, found)))
 
 
 def _aliasing(gm: GraphModule, parts, done) -> list[aliasing.PieceAliasing | None]:
+    """The analysis of every captured piece, run once per distinct piece: the facts depend only
+    on the code and on the inputs' sizes, strides, dtypes and devices."""
     nodes = {n.name: n for n in gm.graph.nodes}
-    return [
-        aliasing.analyse(
-            module.forward,
-            [_example(gm, nodes[name]) for name in module.input_names],
-            len(module.output_names),
-        )
-        if part.kind == partition.CAPTURED
-        else None
-        for part, module in zip(parts, done.pieces, strict=True)
-    ]
+    facts: dict[tuple, aliasing.PieceAliasing] = {}
+    result: list[aliasing.PieceAliasing | None] = []
+    for part, module in zip(parts, done.pieces, strict=True):
+        if part.kind != partition.CAPTURED:
+            result.append(None)
+            continue
+        examples = [_example(gm, nodes[name]) for name in module.input_names]
+        key = (module.shared_code, *map(_layout, examples))
+        fact = facts.get(key)
+        if fact is None:
+            fact = facts[key] = aliasing.analyse(module.forward, examples, len(module.output_names))
+        result.append(fact)
+    return result
+
+
+def _layout(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return (str(value.shape), str(value.stride()), value.dtype, value.device)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+        return type(value)
+    return id(value)
 
 
 def _example(gm: GraphModule, node: torch.fx.Node) -> object:

@@ -20,6 +20,8 @@ import torch
 from torch.fx import Node
 
 _RESERVED = frozenset({"torch", "operator", "slice", "None", "True", "False"})
+# Constants whose repr identifies their value (NaN included, unlike ==).
+_VALUE_KEYED = frozenset({float, complex, torch.Size, torch.dtype, torch.device, torch.layout})
 
 
 class Codegen:
@@ -37,6 +39,11 @@ class Codegen:
         self._exprs: dict[int, str] = {}
         self._keep: list[object] = []  # keeps ids in _exprs valid
         self._clash = not _RESERVED.isdisjoint(self._taken)
+        self._local: dict[Node, str] | None = None
+
+    def name(self, node: Node) -> str:
+        """The local name of ``node`` in the function being emitted."""
+        return node.name if self._local is None else self._local[node]
 
     def _global(self, value: object, hint: str) -> str:
         base = "".join(c if c.isalnum() else "_" for c in hint).strip("_") or "c"
@@ -64,7 +71,7 @@ class Codegen:
     def arg(self, a: object) -> str:
         """Python expression for a node argument."""
         if isinstance(a, Node):
-            return a.name
+            return self.name(a)
         if a is None or a is True or a is False or type(a) in (int, str):
             return repr(a)
         if type(a) is float:
@@ -92,13 +99,21 @@ class Codegen:
         return self._exprs[key]
 
     def _constant(self, value: object) -> str:
-        self._keep.append(value)
-        return self._global(value, type(value).__name__)
+        # Equal immutable constants share one global, so pieces that differ only in which
+        # copy of ``-inf`` they hold get the same source (and share one function).
+        key: object = id(value)
+        if type(value) in _VALUE_KEYED:
+            key = (type(value), repr(value))
+        expr = self._exprs.get(key)
+        if expr is None:
+            self._keep.append(value)
+            expr = self._exprs[key] = self._global(value, type(value).__name__)
+        return expr
 
     def call(self, node: Node) -> str:
         """Expression computing ``node``."""
         arg = self.arg
-        args = [a.name if type(a) is Node else arg(a) for a in node.args]
+        args = [arg(a) for a in node.args]
         if node.kwargs:
             args += [f"{k}={arg(v)}" for k, v in node.kwargs.items()]
         op = node.op
@@ -117,10 +132,29 @@ class Codegen:
         nodes: list[Node],
         inputs: list[Node],
         outputs: list[Node],
-        prologue: Iterable[str] = (),
-        epilogue: Iterable[str] = (),
+        around: Callable[[Codegen], tuple[list[str], list[str]]] | None = None,
+        local: Iterable[Node] = (),
+        canonical: bool = False,
     ) -> str:
-        """Source of ``def name(inputs): ...; return outputs``."""
+        """Source of ``def name(inputs): ...; return outputs``.
+
+        Args:
+            around: called once names are assigned; returns the prologue and epilogue lines.
+            local: nodes of other pieces the prologue re-creates (block enters).
+            canonical: name inputs ``a0, a1, ...`` and values ``v0, v1, ...`` instead of by
+                node, so structurally identical pieces get identical source.
+        """
+        if canonical:
+            self._local = {n: f"a{i}" for i, n in enumerate(inputs)}
+            self._local.update((n, f"v{i}") for i, n in enumerate((*local, *nodes)))
+        try:
+            return self._function(name, nodes, inputs, outputs, around)
+        finally:
+            self._local = None
+
+    def _function(self, name, nodes, inputs, outputs, around) -> str:
+        local = self.name
+        prologue, epilogue = around(self) if around is not None else ((), ())
         keep = set(outputs)
         frees: dict[Node, list[str]] = {}
         seen: set[Node] = set(keep)
@@ -128,12 +162,12 @@ class Codegen:
             for a in node._input_nodes:
                 if a not in seen:
                     seen.add(a)
-                    frees.setdefault(node, []).append(a.name)
-        lines = [f"def {name}({', '.join(n.name for n in inputs)}):"]
+                    frees.setdefault(node, []).append(local(a))
+        lines = [f"def {name}({', '.join(map(local, inputs))}):"]
         lines += [f"    {line}" for line in prologue]
         for node in nodes:
             expr = self.call(node)
-            line = f"{node.name} = {expr}" if node.users else expr
+            line = f"{local(node)} = {expr}" if node.users else expr
             dead = frees.get(node)
             if dead:
                 line += f";  {' = '.join(dead)} = None"
@@ -142,9 +176,9 @@ class Codegen:
         if not outputs:
             lines.append("    return None")
         elif len(outputs) == 1:
-            lines.append(f"    return {outputs[0].name}")
+            lines.append(f"    return {local(outputs[0])}")
         else:
-            lines.append(f"    return ({', '.join(n.name for n in outputs)})")
+            lines.append(f"    return ({', '.join(map(local, outputs))})")
         return "\n".join(lines)
 
     def compile(self, sources: list[str], filename: str) -> tuple[list[Callable], str]:

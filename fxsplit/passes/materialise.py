@@ -10,6 +10,7 @@ output.
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -27,19 +28,32 @@ class PieceModule(torch.nn.Module):
     Attributes:
         name: ``"piece_<i>"``.
         kind: ``"captured"`` or ``"eager"``.
-        code: the generated Python source of ``forward``.
+        code: the piece's Python source with the graph's node names (rendered on first use;
+            ``forward`` runs the same code with canonical names, shared by every piece of the
+            same structure).
+        shared_code: the canonical source ``forward`` was compiled from.
+        same_as: the first piece with the same ``shared_code`` (itself when it is the first).
         input_names / output_names: names of the values the piece reads / returns, in order.
             A piece returns a single value as is, several as a tuple, none as None.
     """
 
-    def __init__(self, name: str, kind: str, fn, code: str, inputs, outputs):
+    def __init__(self, name: str, kind: str, fn, render, shared_code: str, same_as: str, ins, outs):
         super().__init__()
         self.name = name
         self.kind = kind
         self.forward = fn
-        self.code = code
-        self.input_names = tuple(inputs)
-        self.output_names = tuple(outputs)
+        self._render = render
+        self._code: str | None = None
+        self.shared_code = shared_code
+        self.same_as = same_as
+        self.input_names = tuple(ins)
+        self.output_names = tuple(outs)
+
+    @property
+    def code(self) -> str:
+        if self._code is None:
+            self._code = self._render()
+        return self._code
 
     def extra_repr(self) -> str:
         return f"{self.name}, kind={self.kind}"
@@ -78,14 +92,14 @@ def _io(parts: list[Part]) -> tuple[list[list[Node]], list[list[Node]]]:
     return ins, outs
 
 
-def _state_lines(cg: Codegen, state: global_state.PieceState, grad_at_entry: bool):
+def _state_lines(cg: Codegen, *, state: global_state.PieceState, grad_at_entry: bool):
     prologue, epilogue = [], []
     if state.grad_in is not None:
         prologue.append(f"{cg.target(global_state.SET_GRAD)}({state.grad_in})")
     for enter in state.blocks_in:
-        prologue.append(f"{enter.name} = {cg.call(enter)}")
+        prologue.append(f"{cg.name(enter)} = {cg.call(enter)}")
     epilogue += [
-        f"{cg.target(global_state.exit_target(enter))}({enter.name})"
+        f"{cg.target(global_state.exit_target(enter))}({cg.name(enter)})"
         for enter in reversed(state.blocks_out)
     ]
     if state.grad_out is not None:
@@ -114,25 +128,48 @@ def materialise(
     cg = Codegen((n.name for n in graph.nodes), gm)
     ins, outs = _io(parts)
     states = global_state.track([p.nodes for p in parts], grad_at_entry)
-    sources = []
+    # One function per distinct piece: a layer's pieces repeat with other inputs, and
+    # compiling their source once is most of the cost of a deep graph's split.
+    distinct: dict[str, int] = {}
+    first: list[int] = []
+    of_piece: list[int] = []
     for i, part in enumerate(parts):
-        prologue, epilogue = _state_lines(cg, states[i], grad_at_entry)
-        sources.append(cg.function(f"piece_{i}", part.nodes, ins[i], outs[i], prologue, epilogue))
-    fns, source = cg.compile(sources, filename)
-
-    pieces = []
-    for i, part in enumerate(parts):
-        code = sources[i]
-        pieces.append(
-            PieceModule(
-                f"piece_{i}",
-                part.kind,
-                fns[i],
-                code,
-                [n.name for n in ins[i]],
-                [n.name for n in outs[i]],
-            )
+        body = cg.function(
+            "piece",
+            part.nodes,
+            ins[i],
+            outs[i],
+            functools.partial(_state_lines, state=states[i], grad_at_entry=grad_at_entry),
+            states[i].blocks_in,
+            canonical=True,
         )
+        k = distinct.setdefault(body, len(distinct))
+        if k == len(first):
+            first.append(i)
+        of_piece.append(k)
+    bodies = list(distinct)
+    fns, source = cg.compile(
+        [b.replace("def piece(", f"def piece_fn_{k}(", 1) for k, b in enumerate(bodies)],
+        filename,
+    )
+
+    def render(i: int) -> str:
+        around = functools.partial(_state_lines, state=states[i], grad_at_entry=grad_at_entry)
+        return cg.function(f"piece_{i}", parts[i].nodes, ins[i], outs[i], around)
+
+    pieces = [
+        PieceModule(
+            f"piece_{i}",
+            part.kind,
+            fns[of_piece[i]],
+            functools.partial(render, i),
+            bodies[of_piece[i]],
+            f"piece_{first[of_piece[i]]}",
+            [n.name for n in ins[i]],
+            [n.name for n in outs[i]],
+        )
+        for i, part in enumerate(parts)
+    ]
 
     stitched = Graph()
     env: dict[Node, Node] = {}

@@ -62,6 +62,19 @@ def op_names(node: Node) -> tuple[str, str | None] | None:
     op it dispatches to (see :func:`operator_op`). Returns None for nodes that are not ops
     (placeholders, outputs, Python operators on non-tensors).
     """
+    try:
+        return node.meta[_NAMES_KEY]
+    except KeyError:
+        names = node.meta[_NAMES_KEY] = _op_names(node)
+        return names
+
+
+# Every pass asks; the answer depends only on the node's op, target and argument kinds, which
+# no pass changes after the split starts.
+_NAMES_KEY = "fxsplit.op_names"
+
+
+def _op_names(node: Node) -> tuple[str, str | None] | None:
     target = node.target
     if node.op == "call_method":
         if target.startswith("__") and target.endswith("__"):
@@ -263,10 +276,28 @@ def unsafe_op(node: Node) -> str | None:
     return None
 
 
+_RANDOM: dict[tuple[str, object], bool] = {}
+
+
 def is_random(node: Node) -> bool:
     """Whether the node's op draws random numbers: an overload of its op carries
-    ``torch.Tag.nondeterministic_seeded`` (``rand_like``, ``dropout``, ``bernoulli``, ...)."""
-    names = op_names(node)
+    ``torch.Tag.nondeterministic_seeded`` (``rand_like``, ``dropout``, ``bernoulli``, ...).
+    Python operators (``x * y``, ``x[i]``) never do. Cached per target."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if getattr(node.target, "__module__", None) == "_operator":
+        return False
+    key = (node.op, node.target)
+    try:
+        return _RANDOM[key]
+    except KeyError:
+        found = _RANDOM[key] = _random_op(op_names(node))
+        return found
+    except TypeError:  # an unhashable target
+        return _random_op(op_names(node))
+
+
+def _random_op(names: tuple[str, str | None] | None) -> bool:
     if names is None:
         return False
     ns, _, op = names[0].partition("::")

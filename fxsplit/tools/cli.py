@@ -125,13 +125,15 @@ def _console():
 
 
 def _dump(args) -> int:
-    from fxsplit.tools.dump import plan_table, write_dump
+    from fxsplit.tools.dump import plan_table, sharing_lines, write_dump
 
     factory = _load_factory(args.factory)
     name, records = _compile(args.factory, factory, _options(args.options, args.runner))
     console = _console()
     for split, code, inputs in records:
         console.print(plan_table(split.plan))
+        for line in sharing_lines(split.plan):
+            console.print(line, highlight=False, soft_wrap=True)
         folder = write_dump(args.out, split, code, example_inputs=inputs, model=name)
         console.print(f"wrote {folder}", highlight=False, soft_wrap=True)
     if not records:

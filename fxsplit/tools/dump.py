@@ -165,7 +165,8 @@ def plan_dict(split, *, example_inputs=None) -> dict:
         ``num_pieces``, ``num_captured``, ``num_eager``, ``split_ms`` (wall time of the split,
         milliseconds), ``torch_version``, ``graph_inputs`` (the placeholders), ``example_inputs``
         and ``pieces``: per piece ``name``, ``kind``, ``regions`` (sorted), ``reasons``,
-        ``num_ops``, ``nodes``, ``inputs`` / ``outputs`` (:func:`value_info` each) and ``file``.
+        ``num_ops``, ``nodes``, ``inputs`` / ``outputs`` (:func:`value_info` each), ``file``
+        and ``same_code_as`` (the first piece whose code it shares, or None).
     """
     plan: SplitPlan = split.plan
     values = _values_by_name(split)
@@ -196,10 +197,16 @@ def plan_dict(split, *, example_inputs=None) -> dict:
                 "inputs": [value_info(n, values.get(n)) for n in p.inputs],
                 "outputs": [value_info(n, values.get(n)) for n in p.outputs],
                 "file": f"{p.name}.py",
+                "same_code_as": p.same_as,
             }
             for p in plan.pieces
         ],
     }
+
+
+def sharing_lines(plan: SplitPlan) -> list[str]:
+    """``"same code: piece_1 = piece_3 = piece_5"`` per group of pieces sharing code."""
+    return [f"same code: {' = '.join(names)}" for names in plan.sharing().values()]
 
 
 def piece_source(piece: Piece, code: str) -> str:
@@ -211,6 +218,8 @@ def piece_source(piece: Piece, code: str) -> str:
         f"# inputs: {', '.join(piece.inputs) or '-'}",
         f"# outputs: {', '.join(piece.outputs) or '-'}",
     ]
+    if piece.same_as:
+        header.append(f"# runs the code of {piece.same_as} (same structure, other inputs)")
     return "\n".join(header) + "\n\n" + code.strip("\n") + "\n"
 
 
@@ -382,7 +391,7 @@ def write_dump(
     folder = _new_folder(Path(root), label)
     write = _writer(folder)
     write("dynamo_graph.py", graph_code if graph_code.endswith("\n") else graph_code + "\n")
-    write("plan.txt", split.plan.format() + "\n")
+    write("plan.txt", "\n".join([split.plan.format(), *sharing_lines(split.plan)]) + "\n")
     data = plan_dict(split, example_inputs=example_inputs)
     write("plan.json", dumps_json(data))
     for piece, module in zip(split.plan.pieces, split.materialised.pieces, strict=True):

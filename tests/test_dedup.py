@@ -1,0 +1,80 @@
+"""Structurally identical pieces (one per layer) share one code object and one analysis."""
+
+from __future__ import annotations
+
+import torch
+
+import fxsplit
+from fxsplit.passes import aliasing
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x).relu() * 0.5
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.masked_fill(h > 1, float("-inf")).softmax(-1)
+        return x + h
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x * 2
+
+
+def _compile(layers: int, **options):
+    backend = fxsplit.Backend(**options)
+    model = Stack(layers)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))
+    return backend
+
+
+def test_layers_share_code_and_the_plan_says_so():
+    backend = _compile(4)
+    plan, pieces = backend.plans[0], backend.compiled[0].materialised.pieces
+    attention = [p for p in plan.pieces if "attention" in p.regions]
+    assert len(attention) == 4
+    assert [p.same_as for p in attention] == [None, *[attention[0].name] * 3]
+    by_name = {p.name: p for p in pieces}
+    assert len({id(by_name[p.name].forward) for p in attention}) == 1
+    assert plan.sharing()[attention[0].name] == [p.name for p in attention]
+    # readable per-piece code keeps the graph's node names; the shared code is canonical
+    first, second = (by_name[p.name] for p in attention[:2])
+    assert first.code != second.code and first.shared_code == second.shared_code
+
+
+def test_aliasing_analysis_runs_once_per_distinct_piece(monkeypatch):
+    calls = []
+    analyse = aliasing.analyse
+    monkeypatch.setattr(aliasing, "analyse", lambda *a, **k: calls.append(1) or analyse(*a, **k))
+    backend = _compile(6, capture="emulate")
+    distinct = {p.same_as or p.name for p in backend.plans[0].captured}
+    assert len(calls) == len(distinct) < len(backend.plans[0].captured)
+
+
+def test_pieces_that_differ_in_a_constant_do_not_share():
+    def f(x):
+        a = x * 0.5
+        with fxsplit.region(fxsplit.ATTENTION):
+            a = a.softmax(-1)
+        b = a * 0.25
+        with fxsplit.region(fxsplit.ATTENTION):
+            b = b.softmax(-1)
+        return b
+
+    backend = fxsplit.Backend()
+    torch.compile(f, backend=backend)(torch.randn(2, 4))
+    plan = backend.plans[0]
+    assert [p.kind for p in plan.pieces] == ["captured", "eager", "captured", "eager"]
+    assert plan.sharing() == {"piece_1": ["piece_1", "piece_3"]}  # the softmaxes only
