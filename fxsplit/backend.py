@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import counters, trace
+from fxsplit import cache, counters, trace
 from fxsplit.config import Config
 from fxsplit.config_checks import ConfigChecks, WarnOnSecondCall
-from fxsplit.passes import Split, split
+from fxsplit.passes import Split, inductor, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
 from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime
@@ -123,6 +123,11 @@ class Backend:
                 gc.enable()
         plan = result.plan
         self.checks.note(policy, config, plan, result.marks)
+        cuda = _cuda_device(example_inputs)
+        if inductor.resolve(config.compile_pieces, cuda) == "inductor":
+            result.compiled_pieces = inductor.compile_pieces(
+                result, cuda, cache.cache_dir(config.cache_dir), torch.is_grad_enabled()
+            )
         self.plans.append(plan)
         log.info(
             "%s: %d nodes -> %d pieces (%d captured, %d eager) in %.1f ms",
@@ -268,6 +273,12 @@ def _frame() -> Frame | None:
     return Frame(tuple(code.co_varnames[:count]), resumed, root, name)
 
 
+def _cuda_device(example_inputs) -> torch.device | None:
+    """The CUDA/HIP device of the graph's first tensor on one, or None."""
+    tensors = (x for x in example_inputs if isinstance(x, torch.Tensor))
+    return next((x.device for x in tensors if x.device.type == "cuda"), None)
+
+
 def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | None]:
     """Resolve the ``capture`` option against the graph's tensors: (mode, device).
 
@@ -275,14 +286,7 @@ def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | Non
         RuntimeError: ``capture="cuda"`` where no CUDA/HIP device is available or the graph's
             tensors are not on one.
     """
-    device = next(
-        (
-            x.device
-            for x in example_inputs
-            if isinstance(x, torch.Tensor) and x.device.type == "cuda"
-        ),
-        None,
-    )
+    device = _cuda_device(example_inputs)
     if capture == "auto":
         return ("cuda", device) if device is not None else ("off", None)
     if capture == "cuda":

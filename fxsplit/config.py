@@ -12,6 +12,7 @@ from fxsplit import runners
 from fxsplit.runners import Runner
 
 CAPTURE_MODES = ("auto", "cuda", "emulate", "off")
+COMPILE_MODES = ("auto", "inductor", "eager")
 INPUT_BINDINGS = ("copy", "strict", "trust")
 ON_CAPTURE_ERROR = ("fallback", "raise")
 
@@ -44,6 +45,11 @@ class Config:
         clone_outputs: return clones of the graph outputs instead of the replay's own buffers.
         dump_dir: folder to write a dump of every compiled graph into; defaults to the
             ``FXSPLIT_DUMP_DIR`` environment variable.
+        compile_pieces: ``"inductor"`` (compile each distinct captured piece with Inductor),
+            ``"eager"`` (run the generated Python) or ``"auto"`` (Inductor where the graph's
+            tensors are on a CUDA/HIP device, else eager).
+        cache_dir: folder of the compiled-piece cache; defaults to ``$FXSPLIT_CACHE_DIR``, else
+            ``fxsplit`` under the user's cache folder.
     """
 
     runner: str | Runner = "v1"
@@ -61,6 +67,8 @@ class Config:
     verify: bool = False
     clone_outputs: bool = False
     dump_dir: str | None = None
+    compile_pieces: str = "auto"
+    cache_dir: str | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, base: Config | None = None):
@@ -232,7 +240,7 @@ def _identifier(key: str, value: Any) -> str:
     return value
 
 
-def _dump_dir(key: str, value: Any) -> str:
+def _folder(key: str, value: Any) -> str:
     if not isinstance(value, str | os.PathLike):
         raise _type_error(key, value, "a folder path")
     return os.fspath(value)
@@ -253,5 +261,7 @@ _VALIDATORS = {
     "on_capture_error": _choice(ON_CAPTURE_ERROR),
     "verify": _bool,
     "clone_outputs": _bool,
-    "dump_dir": _optional(_dump_dir),
+    "dump_dir": _optional(_folder),
+    "compile_pieces": _choice(COMPILE_MODES),
+    "cache_dir": _optional(_folder),
 }

@@ -19,6 +19,8 @@ NAMES = (
     "input_copies",
     "input_copy_bytes",
     "recaptures",
+    "pieces_compiled",
+    "piece_cache_hits",
 )
 
 totals: Counter[str] = Counter()

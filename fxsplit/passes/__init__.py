@@ -27,6 +27,7 @@ class Split:
     parts: list[partition.Part]
     materialised: materialise.Materialised
     aliasing: list[aliasing.PieceAliasing | None]
+    compiled_pieces: list | None = None  # fxsplit.passes.inductor.CompiledPiece records
 
 
 def split(

@@ -33,12 +33,17 @@ class PieceModule(torch.nn.Module):
             same structure).
         shared_code: the canonical source ``forward`` was compiled from.
         same_as: the first piece with the same ``shared_code`` (itself when it is the first).
+        stateful: its code re-enters grad mode or a block (autocast, ...) open across a piece
+            boundary.
         input_names / output_names: names of the values the piece reads / returns, in order.
             A piece returns a single value as is, several as a tuple, none as None.
     """
 
-    def __init__(self, name: str, kind: str, fn, render, shared_code: str, same_as: str, ins, outs):
+    def __init__(
+        self, name: str, kind: str, fn, render, shared_code: str, same_as: str, ins, outs, stateful
+    ):
         super().__init__()
+        self.stateful = stateful
         self.name = name
         self.kind = kind
         self.forward = fn
@@ -167,6 +172,7 @@ def materialise(
             f"piece_{first[of_piece[i]]}",
             [n.name for n in ins[i]],
             [n.name for n in outs[i]],
+            states[i] != global_state.PieceState(),
         )
         for i, part in enumerate(parts)
     ]

@@ -104,6 +104,9 @@ class CapturedPiece(torch.nn.Module):
         self.kind = piece.kind
         self.code = piece.code
         self.run_uncaptured = piece.forward
+        # A compiled piece's kernels are invisible to the emulator: its legality is checked on
+        # the piece's generated Python, whose ops the emulator sees.
+        self.check_uncompiled = getattr(piece.forward, "eager", None)
         self.specs = specs
         self.aliasing = aliasing
         self.regions = frozenset(plan_piece.regions)
@@ -296,14 +299,20 @@ class CapturedPiece(torch.nn.Module):
                 if isinstance(statics[i], torch.Tensor)
             ]
             if runtime.mode == "emulate"
-            else []
+            else None
         )
         runtime.capture_session.collect_once()
         try:
+            if saved is not None and self.check_uncompiled is not None:
+                check = new_graph("emulate")
+                check.capture(self.check_uncompiled, *statics)
+                check.reset()
+                for static, copy in saved:
+                    static.copy_(copy)
             outputs = graph.capture(self.run_uncaptured, *statics)
             _refuse_grad(outputs)
         except BaseException:
-            for static, copy in saved:
+            for static, copy in saved or ():
                 static.copy_(copy)
             graph.reset()
             raise

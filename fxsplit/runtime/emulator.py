@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-__all__ = ["CaptureError", "EmulatedGraph"]
+__all__ = ["CaptureError", "EmulatedGraph", "call_opaque"]
 
 aten = torch.ops.aten
 
@@ -392,6 +392,23 @@ class _Recorder(TorchDispatchMode):
         self.actions.append((name, _ACTION_NAMES[step[0]]))
 
 
+def call_opaque(fn: Callable, args: tuple) -> Any:
+    """``fn(*args)``; inside an emulated capture on this thread, recorded as one unit.
+
+    For code whose kernels do not pass through the aten dispatcher (Inductor's CPU kernels): the
+    dispatch-level recording would see only part of it. Replay calls ``fn`` again on the
+    recorded tensors and copies its fresh results into the recorded outputs, as for any op.
+    Whether ``fn`` is legal under capture is not checked here (check its uncompiled form).
+    """
+    graph = getattr(_tls, "active", None)
+    if graph is None or graph._recorder is None:
+        return fn(*args)
+    with torch.utils._python_dispatch._disable_current_modes():
+        out = fn(*args)
+    graph._recorder._record(fn, args, {}, out)
+    return out
+
+
 class _HostReadGuard(TorchFunctionMode):
     def __init__(self, graph: EmulatedGraph) -> None:
         super().__init__()
@@ -557,6 +574,7 @@ class EmulatedGraph:
         self._steps: tuple[tuple, ...] | None = None
         self._actions: tuple[tuple[str, str], ...] = ()
         self._error: CaptureError | None = None
+        self._recorder: _Recorder | None = None
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -582,7 +600,7 @@ class EmulatedGraph:
         if self._steps is not None:
             raise RuntimeError("EmulatedGraph already holds a capture; call reset() first")
         self._error = None
-        recorder = _Recorder(self)
+        recorder = self._recorder = _Recorder(self)
         _tls.active = self
         try:
             with _patched_syncs(), _HostReadGuard(self), recorder:
@@ -595,6 +613,7 @@ class EmulatedGraph:
             raise
         finally:
             _tls.active = None
+            self._recorder = None
         if self._error is not None:
             err, self._error = self._error, None
             raise CaptureError(

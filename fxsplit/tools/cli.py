@@ -163,6 +163,18 @@ def _diff(args) -> int:
     return 0
 
 
+def _cache(args) -> int:
+    from fxsplit import cache
+
+    root = cache.cache_dir(args.cache_dir)
+    if args.action == "clear":
+        print(f"deleted {cache.clear(root)} compiled pieces from {root}")
+        return 0
+    entries, size = cache.info(root)
+    print(f"{root}: {entries} compiled pieces, {size / 2**20:.1f} MiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fxsplit``; returns the exit status (2: bad command line)."""
     parser = argparse.ArgumentParser(prog="fxsplit", description=__doc__)
@@ -188,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     diff.add_argument(
         "--summary", action="store_true", help="only pieces and moves by region, no node table"
     )
+    cache_help = "show or clear the cache of compiled pieces (--cache-dir, $FXSPLIT_CACHE_DIR)"
+    cache_parser = commands.add_parser("cache", help=cache_help, description=cache_help)
+    cache_parser.add_argument("action", choices=("info", "clear"))
+    cache_parser.add_argument("--cache-dir", default=None, help="the cache folder")
     args = parser.parse_args(argv)
+    if args.command == "cache":
+        return _cache(args)
     if args.command == "demo":
         from fxsplit.tools import demo
 

@@ -14,6 +14,9 @@
 ``split_svg_missing.txt``     instead of ``split.svg`` where it is not: why and how to install it
 ``report.html``               self-contained report (:mod:`fxsplit.tools.report`)
 ``runtime.json``              run-time figures, once :func:`write_runtime_stats` is called
+``compiled.json``             with Inductor pieces: per distinct piece, who shares it, compile
+                              time, cache hit or miss (:func:`compiled_dict`)
+``inductor_<piece>.py``       Inductor's output code of each piece compiled in this process
 ============================  ====================================================================
 
 Folder names are ``<counter>_<model>_<runner>_<graph_id>`` (``000_DeepseekV4Model_v1_graph_0``,
@@ -202,6 +205,24 @@ def plan_dict(split, *, example_inputs=None) -> dict:
             for p in plan.pieces
         ],
     }
+
+
+def compiled_dict(records) -> list[dict]:
+    """The Inductor pass's records (:class:`fxsplit.passes.inductor.CompiledPiece`) as JSON-ready
+    data (the content of ``compiled.json``): per distinct captured piece, the ``pieces`` sharing
+    it, ``outcome`` (compiled / disk / memory / eager), ``seconds``, ``reason``, ``key`` and
+    ``code_file`` (Inductor's output code, where this process generated it)."""
+    return [
+        {
+            "pieces": list(r.pieces),
+            "outcome": r.outcome,
+            "seconds": round(r.seconds, 3),
+            "reason": r.reason,
+            "key": r.key,
+            "code_file": f"inductor_{r.pieces[0]}.py" if r.output_code else None,
+        }
+        for r in records
+    ]
 
 
 def sharing_lines(plan: SplitPlan) -> list[str]:
@@ -397,6 +418,11 @@ def write_dump(
     for piece, module in zip(split.plan.pieces, split.materialised.pieces, strict=True):
         write(f"{piece.name}.py", piece_source(piece, module.code))
     write("stitched.py", split.materialised.stitched.code.strip("\n") + "\n")
+    if split.compiled_pieces is not None:
+        write("compiled.json", dumps_json(compiled_dict(split.compiled_pieces)))
+        for record in split.compiled_pieces:
+            if record.output_code:
+                write(f"inductor_{record.pieces[0]}.py", record.output_code)
     _write_picture(folder, split)
     report.write_report(folder)
     return folder

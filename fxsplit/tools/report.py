@@ -174,6 +174,32 @@ def _runtime(folder: Path, plan: dict) -> str:
     return "\n".join(rows)
 
 
+def _compiled(folder: Path) -> str:
+    text = _read(folder, "compiled.json")
+    if text is None:
+        return '<p class="muted">Pieces run as generated Python (compile_pieces="eager").</p>'
+    rows = [
+        "<table id=compiled><thead><tr><th>pieces</th><th>outcome</th><th>seconds</th>"
+        "<th>reason</th></tr></thead><tbody>"
+    ]
+    codes = []
+    for record in json.loads(text):
+        rows.append(
+            f"<tr><td>{escape(' = '.join(record['pieces']))}</td>"
+            f"<td>{escape(record['outcome'])}</td>"
+            f'<td class="num">{record["seconds"]:.2f}</td>'
+            f"<td>{escape(record['reason'] or '-')}</td></tr>"
+        )
+        if record.get("code_file"):
+            code = _read(folder, record["code_file"]) or ""
+            codes.append(
+                f"<details><summary>Inductor code of {escape(record['pieces'][0])}</summary>"
+                f"<pre><code>{escape(code)}</code></pre></details>"
+            )
+    rows.append("</tbody></table>")
+    return "\n".join(rows + codes)
+
+
 def _piece_order(name: str) -> tuple[int, str]:
     tail = name.rsplit("_", 1)[-1]
     return (int(tail), name) if tail.isdigit() else (1 << 30, name)
@@ -219,6 +245,8 @@ def render(folder: str | os.PathLike) -> str:
         _picture(folder),
         "<h2>Run time</h2>",
         _runtime(folder, plan),
+        "<h2>Compiled pieces</h2>",
+        _compiled(folder),
         "<h2>Pieces</h2>",
         _pieces(folder, plan),
         "<h2>Stitched module</h2>",

@@ -1,0 +1,290 @@
+"""Inductor pass: compile each distinct captured piece once with Inductor, and cache it.
+
+A split graph is a row of pieces, most of them one per layer and structurally identical: the
+same code (:attr:`fxsplit.passes.materialise.PieceModule.shared_code`, canonical names) on inputs
+of the same layout. Parameters are inputs of the pieces (Dynamo inlines ``nn.Module`` calls and
+lifts their parameters), so one compiled artifact serves every layer, and compile time stops
+growing with depth.
+
+Each distinct piece is compiled through ``torch._inductor.standalone_compile`` (AOTAutograd's
+functionalization, then Inductor: Triton kernels on GPUs, C++ on the CPU; Inductor's own CUDA
+graphs off, fxsplit captures), with the dynamic sizes Dynamo traced (one symbolic compile per
+piece). Artifacts are kept in memory for the process and on disk (:mod:`fxsplit.cache`) for
+later runs. Pieces Inductor should not compile keep their generated Python, with the reason
+recorded: pieces that re-enter global state across a boundary, draw random numbers (Inductor's
+generator would give other numbers than eager), take non-tensor inputs other than sizes (the
+subgraphs of higher-order ops), return nothing or non-tensors, or read tensors that require
+grad; and any piece Inductor fails on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from fxsplit import cache, counters
+from fxsplit.passes import global_state, partition
+from fxsplit.runtime import emulator
+
+log = logging.getLogger("fxsplit")
+
+COMPILE_MODES = ("auto", "inductor", "eager")
+
+_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+# Artifacts compiled or loaded in this process, by cache key.
+_MEMORY: dict[str, object] = {}
+
+
+@dataclass
+class CompiledPiece:
+    """What the pass did for one distinct captured piece.
+
+    Attributes:
+        pieces: the pieces sharing it, in order (the first is the one compiled).
+        outcome: ``"compiled"`` (by Inductor now), ``"disk"`` / ``"memory"`` (cache hits) or
+            ``"eager"`` (kept as generated Python; see ``reason``).
+        seconds: wall time of the compile or load.
+        reason: why it stayed eager; None otherwise.
+        output_code: Inductor's generated wrapper code, where this process generated it.
+        key: the cache key (None when eager).
+    """
+
+    pieces: tuple[str, ...]
+    outcome: str
+    seconds: float = 0.0
+    reason: str | None = None
+    output_code: str | None = None
+    key: str | None = None
+
+
+class InductorPiece:
+    """A piece's ``forward`` running a compiled artifact: same arguments, same return value
+    structure (one value as is, several as a tuple).
+
+    Attributes:
+        artifact: the compiled callable (returns a list of outputs).
+        eager: the piece's generated Python (capture-legality checks run it, see
+            :mod:`fxsplit.runtime.captured`).
+    """
+
+    __slots__ = ("artifact", "eager", "name", "single")
+
+    def __init__(self, artifact, eager, single: bool, name: str) -> None:
+        self.artifact = artifact
+        self.eager = eager
+        self.single = single
+        self.name = name
+
+    def __call__(self, *args):
+        out = emulator.call_opaque(self.artifact, args)
+        return out[0] if self.single else tuple(out)
+
+    def __repr__(self) -> str:
+        return f"inductor:{self.name}"
+
+
+def resolve(mode: str, device: torch.device | None) -> str:
+    """``"inductor"`` or ``"eager"`` for a ``compile_pieces`` option value; ``"auto"`` means
+    Inductor where the graph's tensors are on a CUDA/HIP device."""
+    if mode == "auto":
+        return "inductor" if device is not None and device.type == "cuda" else "eager"
+    return mode
+
+
+def forget() -> None:
+    """Drop the artifacts kept in memory (the disk cache stays)."""
+    _MEMORY.clear()
+
+
+def compile_pieces(
+    split, device: torch.device | None, cache_root: Path, grad_at_entry: bool
+) -> list[CompiledPiece]:
+    """Compile every distinct captured piece of ``split`` and make its pieces run the result.
+
+    Replaces ``forward`` of each compiled :class:`~fxsplit.passes.materialise.PieceModule` with
+    an :class:`InductorPiece`. Plans do not change.
+
+    Args:
+        split: the :class:`fxsplit.passes.Split` of one graph.
+        device: the graph's CUDA device, or None (CPU).
+        cache_root: the cache folder (:func:`fxsplit.cache.cache_dir`).
+        grad_at_entry: grad mode when the graph is called.
+
+    Returns:
+        one :class:`CompiledPiece` per distinct captured piece, in graph order.
+    """
+    gm = split.graph_module
+    nodes = {n.name: n for n in gm.graph.nodes}
+    groups: dict[tuple, list[int]] = {}
+    for i, (part, module) in enumerate(zip(split.parts, split.materialised.pieces, strict=True)):
+        if part.kind == partition.CAPTURED:
+            examples = [nodes[name].meta.get("example_value") for name in module.input_names]
+            groups.setdefault((module.shared_code, _layouts(examples)), []).append(i)
+    disk = cache.PieceCache(cache_root)
+    kind = cache.device_kind(device)
+    results = []
+    for (_, layouts), members in _progress(groups.items(), split.plan.graph_id):
+        first = split.materialised.pieces[members[0]]
+        names = tuple(split.materialised.pieces[i].name for i in members)
+        reason = _not_compiled(split, members[0], nodes, grad_at_entry)
+        if reason is not None:
+            results.append(CompiledPiece(names, "eager", reason=reason))
+            continue
+        piece_gm, examples = _piece_graph(gm, split.parts[members[0]].nodes, first, nodes)
+        result = _compile(piece_gm, examples, cache.key(piece_gm.code, layouts, kind), disk)
+        results.append(CompiledPiece(names, *result))
+        if result[0] == "eager":
+            continue
+        artifact = _MEMORY[result[-1]]
+        for i in members:
+            module = split.materialised.pieces[i]
+            single = len(module.output_names) == 1
+            module.forward = InductorPiece(artifact, module.forward, single, module.name)
+    for record in results:
+        if record.outcome == "eager":
+            log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
+    return results
+
+
+def _compile(piece_gm, examples, key: str, disk: cache.PieceCache):
+    """(outcome, seconds, reason, output_code, key) for one distinct piece."""
+    start = time.perf_counter()
+    if key in _MEMORY:
+        counters.totals["piece_cache_hits"] += 1
+        return "memory", 0.0, None, None, key
+    artifact = disk.load(key)
+    if artifact is not None:
+        _MEMORY[key] = artifact
+        counters.totals["piece_cache_hits"] += 1
+        return "disk", time.perf_counter() - start, None, None, key
+    from torch._inductor import standalone_compile
+
+    dynamic = "from_tracing_context" if torch._guards.TracingContext.try_get() else "from_graph"
+    try:
+        with _output_code() as code, torch.no_grad():
+            artifact = standalone_compile(
+                piece_gm,
+                examples,
+                dynamic_shapes=dynamic,
+                options={"config_patches": {"triton.cudagraphs": False}},
+            )
+    except Exception as error:  # Inductor cannot compile it: keep the generated Python
+        reason = f"Inductor failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+        return "eager", time.perf_counter() - start, reason, None, None
+    _MEMORY[key] = artifact
+    disk.save(key, artifact)
+    counters.totals["pieces_compiled"] += 1
+    return "compiled", time.perf_counter() - start, None, "\n\n".join(code) or None, key
+
+
+def _not_compiled(split, i: int, nodes: dict[str, Node], grad_at_entry: bool) -> str | None:
+    """Why piece ``i`` keeps its generated Python, or None when Inductor may compile it."""
+    module = split.materialised.pieces[i]
+    plan_piece = split.plan.pieces[i]
+    if module.stateful or any(global_state.is_state_node(n) for n in split.parts[i].nodes):
+        return "it switches grad mode or autocast (kept as generated Python)"
+    if plan_piece.random:
+        return "it draws random numbers (Inductor's generator gives other numbers than eager)"
+    if not module.output_names:
+        return "it returns nothing"
+    for name in module.input_names:
+        value = nodes[name].meta.get("example_value")
+        if not isinstance(value, (torch.Tensor, *_SCALARS)):
+            return f"input {name} is a {type(value).__name__}, not a tensor or a size"
+        if grad_at_entry and isinstance(value, torch.Tensor) and value.requires_grad:
+            return f"input {name} requires grad (compiled pieces are for inference)"
+    for name in module.output_names:
+        value = nodes[name].meta.get("example_value")
+        if not isinstance(value, (torch.Tensor, torch.SymInt)):
+            return f"output {name} is a {type(value).__name__}, not a tensor or a size"
+    return None
+
+
+def _piece_graph(gm: GraphModule, part_nodes, module, nodes) -> tuple[GraphModule, list]:
+    """The piece as a GraphModule with canonical names (inputs ``a<i>``, values ``v<j>``), so
+    its code is the same for every layer, and the example values of its inputs."""
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    examples = []
+    for k, name in enumerate(module.input_names):
+        node = nodes[name]
+        env[node] = graph.placeholder(f"a{k}")
+        env[node].meta = dict(node.meta)
+        examples.append(node.meta["example_value"])
+    for j, node in enumerate(part_nodes):
+        new = graph.create_node(
+            node.op,
+            node.target,
+            torch.fx.map_arg(node.args, env.__getitem__),
+            torch.fx.map_arg(node.kwargs, env.__getitem__),
+            name=f"v{j}",
+        )
+        new.meta = dict(node.meta)
+        env[node] = new
+    graph.output(tuple(env[nodes[name]] for name in module.output_names))
+    return GraphModule(gm, graph, class_name="FxsplitPiece"), examples
+
+
+def _layouts(examples) -> tuple:
+    """What a compiled piece depends on besides its code, per input: size and stride
+    expressions, offset, dtype, device, and which earlier input shares its storage."""
+    storages: dict[object, int] = {}
+    out = []
+    for k, value in enumerate(examples):
+        if isinstance(value, torch.Tensor):
+            storage = torch.multiprocessing.reductions.StorageWeakRef(value.untyped_storage())
+            shared = storages.setdefault(storage, k)
+            out.append(
+                (
+                    str(tuple(value.shape)),
+                    str(value.stride()),
+                    str(value.storage_offset()),
+                    str(value.dtype),
+                    str(value.device),
+                    value.requires_grad,
+                    shared,
+                )
+            )
+        else:
+            out.append(type(value).__name__)
+    return tuple(out)
+
+
+def _progress(items, graph_id: str):
+    items = list(items)
+    if len(items) < 2:
+        return items
+    from tqdm import tqdm
+
+    # Shown where a terminal watches (tqdm's own test), never in logs or pipes.
+    return tqdm(
+        items,
+        desc=f"fxsplit {graph_id}: compiling pieces",
+        unit="piece",
+        disable=None,
+        file=sys.stderr,
+        leave=False,
+    )
+
+
+@contextlib.contextmanager
+def _output_code() -> Iterator[list[str]]:
+    """Collect the wrapper code Inductor generates inside the block (its ``save_output_code``
+    hook; nothing when Inductor's own cache served the graph)."""
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    previous = GraphLowering.save_output_code
+    GraphLowering.save_output_code = codes.append
+    try:
+        yield codes
+    finally:
+        GraphLowering.save_output_code = previous

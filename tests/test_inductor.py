@@ -1,0 +1,193 @@
+"""Compiled pieces: Inductor (C++ on this CPU), once per distinct piece, cached across runs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit import cache, counters
+from fxsplit.passes import inductor
+from fxsplit.tools import cli
+
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
+
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}  # fp32: Inductor fuses and reorders reductions
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x).relu() * 0.5
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.softmax(-1)
+        return x + h
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, layers: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x * 2
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    """One cache folder for the module: Inductor compiles each distinct piece once per run."""
+    return tmp_path_factory.mktemp("fxsplit_cache")
+
+
+def _run(model, cache_root, sizes=(3, 5, 3, 5, 3), **options):
+    backend = fxsplit.Backend(compile_pieces="inductor", cache_dir=str(cache_root), **options)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for n in sizes:
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)
+    return backend
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_compiled_pieces_equal_eager_and_layers_share_one_compile(cache_root, capture):
+    backend = _run(Stack(), cache_root, capture=capture)
+    records = backend.compiled[0].compiled_pieces
+    assert [r.pieces for r in records] == [("piece_0",), ("piece_2", "piece_4"), ("piece_6",)]
+    assert all(r.outcome in ("compiled", "disk", "memory") for r in records)
+    snapshot = counters.snapshot()
+    assert snapshot["pieces_compiled"] + snapshot["piece_cache_hits"] == 3
+    if capture == "emulate":
+        assert snapshot["replays"] > 0
+    pieces = backend.compiled[0].materialised.pieces
+    assert isinstance(pieces[2].forward, inductor.InductorPiece)
+    assert pieces[2].forward.artifact is pieces[4].forward.artifact
+    assert not isinstance(pieces[1].forward, inductor.InductorPiece)  # eager pieces stay
+
+
+def test_plans_do_not_depend_on_compilation(cache_root):
+    compiled = _run(Stack(), cache_root, sizes=(3,)).plans[0].format()
+    torch._dynamo.reset()  # forgets the backend's plans
+    plain = fxsplit.Backend(compile_pieces="eager")
+    torch.compile(Stack(), backend=plain, dynamic=True)(torch.randn(3, 8))
+    assert compiled == plain.plans[0].format()
+    assert plain.compiled[0].compiled_pieces is None
+
+
+def test_warm_start_compiles_nothing(cache_root):
+    _run(Stack(), cache_root, sizes=(3,))  # fills the cache folder (or finds it filled)
+    inductor.forget()
+    torch._dynamo.reset()
+    counters.reset()
+    backend = _run(Stack(), cache_root, sizes=(3, 5))
+    assert counters.snapshot()["pieces_compiled"] == 0
+    assert counters.snapshot()["piece_cache_hits"] == 3
+    assert {r.outcome for r in backend.compiled[0].compiled_pieces} == {"disk"}
+
+
+def test_corrupt_entry_is_recompiled_with_one_warning(tmp_path):
+    inductor.forget()  # compiled again, so stored in this folder
+    _run(Stack(1), tmp_path, sizes=(3,))
+    entries = sorted((tmp_path / "pieces").glob("*.bin"))
+    assert entries
+    for entry in entries:
+        entry.write_bytes(b"not an artifact")
+    inductor.forget()
+    torch._dynamo.reset()
+    counters.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _run(Stack(1), tmp_path, sizes=(3, 5))
+    found = [w for w in caught if "could not be loaded" in str(w.message)]
+    assert len(found) == len(entries)
+    assert counters.snapshot()["pieces_compiled"] == len(entries)
+
+
+@torch.library.custom_op("fxsplit_inductortest::write_rows", mutates_args=("cache",))
+def _write_rows(cache: torch.Tensor, rows: torch.Tensor) -> None:
+    cache[: rows.shape[0]].copy_(rows)
+
+
+@_write_rows.register_fake
+def _(cache, rows):
+    return None
+
+
+class Cached(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, kv):
+        h = self.proj(x) * 2
+        _write_rows(kv, h)
+        with fxsplit.region(fxsplit.ATTENTION):
+            a = (kv[: x.shape[0]] @ h.t()).softmax(-1)
+        return a @ h + kv.sum(0)
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_mutating_custom_op_writes_back_from_a_compiled_piece(cache_root, runner):
+    model = Cached()
+    backend = fxsplit.Backend(
+        runner=runner, capture="emulate", compile_pieces="inductor", cache_dir=str(cache_root)
+    )
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    kv, kv_ref = torch.zeros(8, 8), torch.zeros(8, 8)
+    torch._dynamo.mark_static_address(kv)
+    x = torch.empty(3, 8)  # a persistent input buffer, as runner v2 hands
+    with torch.no_grad():
+        for step in range(4):
+            x.copy_(torch.randn(3, 8) + step)
+            torch.testing.assert_close(compiled(x, kv), model(x, kv_ref), **TOLERANCE)
+            torch.testing.assert_close(kv, kv_ref, **TOLERANCE)
+    assert counters.snapshot()["replays"] > 0
+    assert any(r.outcome != "eager" for r in backend.compiled[0].compiled_pieces)
+
+
+def test_random_pieces_stay_generated_python(cache_root):
+    def f(x):
+        return torch.rand_like(x) * 0 + x.sin()
+
+    backend = fxsplit.Backend(compile_pieces="inductor", cache_dir=str(cache_root))
+    torch.compile(f, backend=backend)(torch.randn(4))
+    (record,) = backend.compiled[0].compiled_pieces
+    assert record.outcome == "eager" and "random" in record.reason
+
+
+def test_auto_compiles_only_on_gpus():
+    assert inductor.resolve("auto", None) == "eager"
+    assert inductor.resolve("auto", torch.device("cuda", 0)) == "inductor"
+    assert inductor.resolve("inductor", None) == "inductor"
+
+
+def test_cache_command_reports_and_clears(tmp_path, capsys):
+    (tmp_path / "pieces").mkdir()
+    (tmp_path / "pieces" / "a.bin").write_bytes(b"x" * 100)
+    assert cli.main(["cache", "info", "--cache-dir", str(tmp_path)]) == 0
+    assert "1 compiled pieces" in capsys.readouterr().out
+    assert cli.main(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
+    assert cache.info(tmp_path) == (0, 0)
+
+
+def test_cache_dir_defaults(monkeypatch, tmp_path):
+    monkeypatch.setenv(cache.ENV, str(tmp_path))
+    assert cache.cache_dir() == tmp_path
+    monkeypatch.delenv(cache.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_dir() == tmp_path / "xdg" / "fxsplit"
+    assert cache.cache_dir("/elsewhere") == cache.cache_dir("/elsewhere")
+
+
+def test_bad_compile_pieces_value_is_rejected():
+    with pytest.raises(ValueError, match="compile_pieces='triton'.*'inductor'"):
+        fxsplit.Backend(compile_pieces="triton")
