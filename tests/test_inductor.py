@@ -189,5 +189,5 @@ def test_cache_dir_defaults(monkeypatch, tmp_path):
 
 
 def test_bad_compile_pieces_value_is_rejected():
-    with pytest.raises(ValueError, match="compile_pieces='triton'.*'inductor'"):
+    with pytest.raises(ValueError, match=r"compile_pieces='triton'.*'inductor'"):
         fxsplit.Backend(compile_pieces="triton")
