@@ -121,13 +121,21 @@ class Backend:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        plan = result.plan
-        self.checks.note(policy, config, plan, result.marks)
         cuda = _cuda_device(example_inputs)
         if inductor.resolve(config.compile_pieces, cuda) == "inductor":
-            result.compiled_pieces = inductor.compile_pieces(
-                result, cuda, cache.cache_dir(config.cache_dir), torch.is_grad_enabled()
-            )
+            try:
+                result.compiled_pieces = inductor.compile_pieces(
+                    result, cuda, cache.cache_dir(config.cache_dir), torch.is_grad_enabled()
+                )
+            except inductor.RestartAnalysis:
+                # Dynamo traces the frame again (a float specialised) and calls us again:
+                # this graph never existed.
+                with self._lock:
+                    if self._count == int(graph_id.rpartition("_")[2]) + 1:
+                        self._count -= 1
+                raise
+        plan = result.plan
+        self.checks.note(policy, config, plan, result.marks)
         self.plans.append(plan)
         log.info(
             "%s: %d nodes -> %d pieces (%d captured, %d eager) in %.1f ms",

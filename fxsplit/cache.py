@@ -6,7 +6,8 @@ canonical code and input layouts (:func:`key`) with everything that changes what
 emit: the torch and fxsplit versions, Inductor's configuration and the device kind. Entries are
 written to a temporary file in the same folder and renamed into place (atomic on POSIX), so a
 process never reads a half-written entry; one that fails to load is deleted and recompiled with
-one warning.
+one warning. A piece Inductor failed on gets ``<key>.failed`` holding the reason, so later runs
+do not try again.
 """
 
 from __future__ import annotations
@@ -109,6 +110,24 @@ class PieceCache:
             log.info("fxsplit: piece %s not cached: %s: %s", key[:12], type(error).__name__, error)
             return False
         return True
+
+    def failure(self, key: str) -> str | None:
+        """Why Inductor failed on the piece stored under ``key`` in an earlier run, or None."""
+        try:
+            return (self.folder / f"{key}.failed").read_text(encoding="utf-8")
+        except OSError:
+            return None
+
+    def save_failure(self, key: str, reason: str) -> None:
+        """Remember that Inductor fails on ``key`` (best effort, atomic)."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".failed")
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                out.write(reason)
+            os.replace(tmp, self.folder / f"{key}.failed")
+        except OSError as error:
+            log.info("fxsplit: failure of piece %s not cached: %s", key[:12], error)
 
 
 def info(root: Path) -> tuple[int, int]:

@@ -14,7 +14,7 @@ later runs. Pieces Inductor should not compile keep their generated Python, with
 recorded: pieces that re-enter global state across a boundary, draw random numbers (Inductor's
 generator would give other numbers than eager), take non-tensor inputs other than sizes (the
 subgraphs of higher-order ops), return nothing or non-tensors, or read tensors that require
-grad; and any piece Inductor fails on.
+grad; and any piece Inductor fails on (remembered, in memory and on disk, so it is tried once).
 """
 
 from __future__ import annotations
@@ -38,9 +38,14 @@ log = logging.getLogger("fxsplit")
 
 COMPILE_MODES = ("auto", "inductor", "eager")
 
+# Inductor asks Dynamo to trace the frame again with a float input specialised (its
+# tensorify pass); only Dynamo can, so it must reach Dynamo.
+RestartAnalysis = torch._dynamo.exc.TensorifyScalarRestartAnalysis
+
 _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
-# Artifacts compiled or loaded in this process, by cache key.
+# Artifacts compiled or loaded in this process, and why Inductor failed, by cache key.
 _MEMORY: dict[str, object] = {}
+_FAILED: dict[str, str] = {}
 
 
 @dataclass
@@ -100,8 +105,9 @@ def resolve(mode: str, device: torch.device | None) -> str:
 
 
 def forget() -> None:
-    """Drop the artifacts kept in memory (the disk cache stays)."""
+    """Drop the artifacts and failures kept in memory (the disk cache stays)."""
     _MEMORY.clear()
+    _FAILED.clear()
 
 
 def compile_pieces(
@@ -160,6 +166,10 @@ def _compile(piece_gm, examples, key: str, disk: cache.PieceCache):
     if key in _MEMORY:
         counters.totals["piece_cache_hits"] += 1
         return "memory", 0.0, None, None, key
+    failed = _FAILED.get(key) or disk.failure(key)
+    if failed is not None:
+        _FAILED[key] = failed
+        return "eager", 0.0, failed, None, None
     artifact = disk.load(key)
     if artifact is not None:
         _MEMORY[key] = artifact
@@ -176,8 +186,14 @@ def _compile(piece_gm, examples, key: str, disk: cache.PieceCache):
                 dynamic_shapes=dynamic,
                 options={"config_patches": {"triton.cudagraphs": False}},
             )
+    except RestartAnalysis:
+        raise
     except Exception as error:  # Inductor cannot compile it: keep the generated Python
-        reason = f"Inductor failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+        first_line = next(iter(str(error).splitlines()), "")
+        reason = f"Inductor failed: {type(error).__name__}: {first_line}"
+        log.debug("fxsplit: Inductor failed on %s", piece_gm, exc_info=True)
+        _FAILED[key] = reason
+        disk.save_failure(key, reason)
         return "eager", time.perf_counter() - start, reason, None, None
     _MEMORY[key] = artifact
     disk.save(key, artifact)
@@ -217,7 +233,7 @@ def _piece_graph(gm: GraphModule, part_nodes, module, nodes) -> tuple[GraphModul
     for k, name in enumerate(module.input_names):
         node = nodes[name]
         env[node] = graph.placeholder(f"a{k}")
-        env[node].meta = dict(node.meta)
+        env[node].meta = _meta(node)
         examples.append(node.meta["example_value"])
     for j, node in enumerate(part_nodes):
         new = graph.create_node(
@@ -227,10 +243,17 @@ def _piece_graph(gm: GraphModule, part_nodes, module, nodes) -> tuple[GraphModul
             torch.fx.map_arg(node.kwargs, env.__getitem__),
             name=f"v{j}",
         )
-        new.meta = dict(node.meta)
+        new.meta = _meta(node)
         env[node] = new
     graph.output(tuple(env[nodes[name]] for name in module.output_names))
     return GraphModule(gm, graph, class_name="FxsplitPiece"), examples
+
+
+def _meta(node: Node) -> dict:
+    """What Inductor reads of a node's meta: its example value. The rest of Dynamo's meta
+    (module stacks, annotations) would enter Inductor's cache key, and some of it does not
+    pickle, which turns Inductor's caches (and so the saved artifact) off."""
+    return {k: node.meta[k] for k in ("example_value", "val") if k in node.meta}
 
 
 def _layouts(examples) -> tuple:

@@ -181,7 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"fxsplit {fxsplit.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_help = "compile the reference models under runners v1 and v2 and compare with eager"
-    commands.add_parser("demo", help=demo_help, description=demo_help)
+    demo_parser = commands.add_parser("demo", help=demo_help, description=demo_help)
+    demo_parser.add_argument(
+        "--compile-pieces",
+        choices=("auto", "inductor", "eager"),
+        default="auto",
+        help="compile captured pieces with Inductor (default auto: on GPUs)",
+    )
     factory_help = "MODULE:FACTORY; FACTORY() returns (model, example_inputs)"
     options_help = 'fxsplit options as a JSON object, e.g. \'{"splitting_ops": ["aten::topk"]}\''
     dump_help = "plan a model without capturing, print the plan, write one dump folder per graph"
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from fxsplit.tools import demo
 
-        return demo.run()
+        return demo.run(compile_pieces=args.compile_pieces)
     try:
         if args.command == "dump":
             return _dump(args)
