@@ -30,8 +30,8 @@ def test_plan_tables_fit_80_columns_without_cutting_the_regions():
 
 
 def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, capsys):
-    monkeypatch.setattr(demo, "_deepseek", lambda console, runner: True)
-    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console: True)
+    monkeypatch.setattr(demo, "_deepseek", lambda console, runner, compile_pieces: True)
+    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console, compile_pieces: True)
     monkeypatch.setattr(demo.hf_deepseek_v4, "available", lambda: False)
     assert demo.run() == 0
     out = capsys.readouterr().out
