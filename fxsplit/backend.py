@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import counters, runners, trace
+from fxsplit import counters, distributed, runners, trace
 from fxsplit.config import Config
 from fxsplit.passes import Split, split
 from fxsplit.passes.mark import Policy
@@ -83,6 +83,8 @@ class Backend:
         Raises:
             ValueError: ``mode`` other than "default", or a bad option.
             TypeError: an unknown keyword from torch, or an option of the wrong type.
+            fxsplit.distributed.RankMismatchError: ranks split the graph differently (with
+                ``torch.distributed`` initialised and ``check_ranks`` on).
         """
         if kwargs:
             raise TypeError(
@@ -124,9 +126,11 @@ class Backend:
         finally:
             if gc_was_enabled:
                 gc.enable()
+        plan = result.plan
+        if config.check_ranks:
+            distributed.check_ranks(graph_id, plan, result.graph_module)
         self._warn_unmatched(policy)
         self._warn_misspelt_regions(config, result.marks)
-        plan = result.plan
         self._warn_no_region(plan, result.marks, runner)
         self.plans.append(plan)
         log.info(

@@ -44,6 +44,9 @@ class Config:
         clone_outputs: return clones of the graph outputs instead of the replay's own buffers.
         dump_dir: folder to write a dump of every compiled graph into; defaults to the
             ``FXSPLIT_DUMP_DIR`` environment variable.
+        check_ranks: where ``torch.distributed`` is initialised, compare each graph's split
+            across the ranks right after splitting and raise on a mismatch
+            (:mod:`fxsplit.distributed`); False skips it (single-rank debugging).
     """
 
     runner: str | Runner = "v1"
@@ -61,6 +64,7 @@ class Config:
     verify: bool = False
     clone_outputs: bool = False
     dump_dir: str | None = None
+    check_ranks: bool = True
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, base: Config | None = None):
@@ -254,4 +258,5 @@ _VALIDATORS = {
     "verify": _bool,
     "clone_outputs": _bool,
     "dump_dir": _optional(_dump_dir),
+    "check_ranks": _bool,
 }
