@@ -3,8 +3,9 @@
 Each layer is made from the full single-process layer and keeps this rank's shard of its
 weight, so a tensor-parallel model built from the same seed computes what the single-process
 model computes (up to the order of floating-point sums). All communication goes through
-``torch.distributed._functional_collectives`` (``all_reduce``, ``all_gather_tensor``,
-``reduce_scatter_tensor``) on the process group the caller passes; under ``torch.compile`` they
+``torch.distributed._functional_collectives`` (``all_reduce``, ``all_gather_tensor`` and
+``reduce_scatter_tensor``, called ``all_gather_single`` / ``reduce_scatter_single`` from torch
+2.13 on) on the process group the caller passes; under ``torch.compile`` they
 appear as ``_c10d_functional`` nodes with their ``wait_tensor``.
 
 Ranks split the output features of column-parallel layers and the input features of
@@ -22,6 +23,20 @@ if dist.is_available():
     import torch.distributed._functional_collectives as funcol
 else:  # a torch built without distributed: only group=None (one process) works
     funcol = None
+
+
+def _all_gather(x: Tensor, dim: int, group) -> Tensor:
+    # torch 2.13 renamed all_gather_tensor to all_gather_single (same _c10d_functional op,
+    # all_gather_into_tensor) and deprecates the old name; 2.11 has only the old one.
+    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return gather(x, gather_dim=dim, group=group)
+
+
+def _reduce_scatter(x: Tensor, dim: int, group) -> Tensor:
+    # Renamed like _all_gather (reduce_scatter_tensor -> reduce_scatter_single).
+    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return scatter(x, "sum", scatter_dim=dim, group=group)
+
 
 __all__ = [
     "ColumnParallelLinear",
@@ -100,7 +115,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(x, self.weight)
         if self.gather_output:
-            y = funcol.all_gather_tensor(y, gather_dim=y.dim() - 1, group=self.group)
+            y = _all_gather(y, y.dim() - 1, self.group)
         return y
 
 
@@ -139,8 +154,7 @@ class RowParallelLinear(nn.Module):
         if self.scatter_dim is None:
             return funcol.all_reduce(partial, "sum", self.group)
         dim = self.scatter_dim % partial.dim()
-        shard = funcol.reduce_scatter_tensor(partial, "sum", scatter_dim=dim, group=self.group)
-        return funcol.all_gather_tensor(shard, gather_dim=dim, group=self.group)
+        return _all_gather(_reduce_scatter(partial, dim, self.group), dim, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
