@@ -120,8 +120,9 @@ def spawn(fn: Callable, world_size: int, *args, timeout_s: float = TIMEOUT_S) ->
     return [got[r] for r in range(world_size)]
 
 
-def decode(rank: int, world_size: int, runners=RUNNERS, steps=None, **options) -> dict:
-    """One rank of the demo (run by :func:`spawn`).
+def decode(rank: int, world_size: int, runners=RUNNERS, steps=None, config=None, **options) -> dict:
+    """One rank of the demo (run by :func:`spawn`): the demo's decode ``steps`` (batch sizes)
+    of the DeepSeek-V4 model with ``config`` (the default when None) under each runner.
 
     Returns:
         ``{"rows": [...], "plans": {runner: [plan text, ...]}}``: per runner and step, a row
@@ -143,8 +144,8 @@ def decode(rank: int, world_size: int, runners=RUNNERS, steps=None, **options) -
     for runner in runners:
         torch._dynamo.reset()
         persistent = fxsplit.runners.get(runner).persistent_inputs
-        single = deepseek_v4.build()
-        model = deepseek_v4.build(group=group)
+        single = deepseek_v4.build(config)
+        model = deepseek_v4.build(config, group=group)
         eager = deepseek_v4.clone_model(model)
         backend = fxsplit.Backend(runner=runner, capture="emulate", **options)
         compiled = torch.compile(model, backend=backend, dynamic=True)

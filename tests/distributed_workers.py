@@ -1,0 +1,99 @@
+"""Rank functions for ``tests/test_distributed.py``, run in spawned processes by
+:func:`fxsplit.tools.tp_demo.spawn` (module level, so a spawned process can import them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+import fxsplit
+
+IN, HIDDEN = 8, 16
+
+
+def _weights() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(HIDDEN, IN, generator=gen), torch.randn(IN, HIDDEN, generator=gen)
+
+
+def column_row_parallel(rank: int, world_size: int):
+    """``f(x)``: a column-parallel then row-parallel linear pair (the partial sums all-reduced in
+    a captured piece), then ``topk`` (a splitting op), and the single-process ``reference(x)``."""
+    w1, w2 = _weights()
+    block = HIDDEN // world_size
+    a = w1[rank * block : (rank + 1) * block]
+    b = w2[:, rank * block : (rank + 1) * block].contiguous()
+    group = dist.group.WORLD
+
+    def f(x):
+        y = funcol.all_reduce(F.linear(F.linear(x, a).relu(), b), "sum", group) * 2 + 1
+        return y.sum(-1, keepdim=True) + torch.topk(y, 2).values.sum(-1, keepdim=True)
+
+    def reference(x):
+        y = F.linear(F.linear(x, w1).relu(), w2) * 2 + 1
+        return y.sum(-1, keepdim=True) + torch.topk(y, 2).values.sum(-1, keepdim=True)
+
+    return f, reference
+
+
+def _inputs(step: int, batch: int = 4) -> torch.Tensor:
+    return torch.randn(batch, IN, generator=torch.Generator().manual_seed(step))
+
+
+def replay_collective(rank: int, world_size: int) -> dict:
+    """Decode-like steps of :func:`column_row_parallel` compiled with emulated capture, with and
+    without ``verify``, then ``Backend.capture`` over two sizes: per run, the largest
+    difference from the single-process function and the replays; the capture keys in the
+    order they were captured."""
+    f, reference = column_row_parallel(rank, world_size)
+    out = {}
+    with torch.no_grad():
+        for verify in (False, True):
+            torch._dynamo.reset()
+            before = fxsplit.counters.snapshot()["replays"]
+            backend = fxsplit.Backend(
+                capture="emulate", splitting_ops=["aten::topk"], verify=verify
+            )
+            compiled = torch.compile(f, backend=backend)
+            diffs = []
+            for step in range(5):
+                x = _inputs(step)
+                diffs.append((compiled(x) - reference(x)).abs().max().item())
+            out[f"verify={verify}"] = {
+                "diffs": diffs,
+                "replays": fxsplit.counters.snapshot()["replays"] - before,
+            }
+        torch._dynamo.reset()
+        backend = fxsplit.Backend(capture="emulate", splitting_ops=["aten::topk"])
+        compiled = torch.compile(f, backend=backend)
+        backend.capture(compiled, {2: (_inputs(0, 2),), 6: (_inputs(0, 6),), 4: (_inputs(0, 4),)})
+        out["capture_order"] = [
+            (graph, piece, key)
+            for graph, pieces in backend.stats.items()
+            for piece, keys in pieces.items()
+            for key in keys
+        ]
+    return out
+
+
+def diverge(rank: int, world_size: int) -> tuple[str, str, list, str]:
+    """Rank 1 makes ``relu`` a splitting op, the others do not: the compile must fail with the
+    rank-agreement error on every rank (never hang at the all-reduce). Returns the error's
+    type name, message, rank groups and piece."""
+    f, _ = column_row_parallel(rank, world_size)
+    ops = ["aten::topk", "aten::relu"] if rank == 1 else ["aten::topk"]
+    backend = fxsplit.Backend(capture="emulate", splitting_ops=ops)
+    try:
+        with torch.no_grad():
+            torch.compile(f, backend=backend)(_inputs(0))
+    except Exception as error:  # torch wraps the backend's error in BackendCompilerFailed
+        inner = getattr(error, "inner_exception", error)
+        return (
+            type(inner).__name__,
+            str(inner),
+            getattr(inner, "groups", None),
+            getattr(inner, "piece", None),
+        )
+    return ("none", "compiled without an error", None, None)

@@ -1,0 +1,75 @@
+"""Tensor parallel on torch.distributed (gloo, CPU): spawned ranks, emulated capture.
+
+Each test spawns ranks with :func:`fxsplit.tools.tp_demo.spawn`, which kills them and fails
+after a hard timeout, so a hang (ranks whose collectives do not match) fails fast instead of
+blocking CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch is built without torch.distributed"
+)
+
+TIMEOUT_S = 120.0
+
+
+def _spawn(fn, world_size=2, *args):
+    from fxsplit.tools.tp_demo import spawn
+
+    results = spawn(fn, world_size, *args, timeout_s=TIMEOUT_S)
+    errors = [r for r in results if isinstance(r, str)]
+    assert not errors, errors
+    return results
+
+
+def test_tp2_decode_under_v1_and_v2_equals_the_single_process_model_with_replays_on_both_ranks():
+    from fxsplit.models import deepseek_v4
+    from fxsplit.tools import tp_demo
+
+    config = deepseek_v4.DeepseekV4Config(num_layers=1)  # compile time rules this test
+    results = _spawn(tp_demo.decode, 2, tp_demo.RUNNERS, (4, 4, 4, 2, 4), config)
+    for rank, result in enumerate(results):
+        for row in result["rows"]:
+            assert row["exact"], (rank, row)  # bit for bit the eager tensor-parallel model
+            assert row["diff"] <= tp_demo.ATOL, (rank, row)
+        for runner in tp_demo.RUNNERS:
+            replays = sum(r["replays"] for r in result["rows"] if r["runner"] == runner)
+            assert replays > 0, (rank, runner)
+    per_step = [[(r["captures"], r["replays"]) for r in result["rows"]] for result in results]
+    assert per_step[0] == per_step[1]
+    assert results[0]["plans"] == results[1]["plans"]
+
+
+def test_collective_in_a_captured_piece_replays_eagers_numbers_with_and_without_verify():
+    from tests import distributed_workers
+
+    results = _spawn(distributed_workers.replay_collective)
+    for result in results:
+        for verify in (False, True):
+            run = result[f"verify={verify}"]
+            # Sums across ranks run in another order than in one process.
+            assert max(run["diffs"]) < 1e-4, run
+            assert run["replays"] > 0, run
+    # Same keys in the same order on every rank; each piece's sizes largest first.
+    order = results[0]["capture_order"]
+    assert order == results[1]["capture_order"]
+    for piece in {piece for _, piece, _ in order}:
+        sizes = [int(key.strip("(,)")) for _, p, key in order if p == piece]
+        assert sizes == [6, 4, 2], (piece, order)
+
+
+def test_divergent_split_on_one_rank_raises_the_agreement_error_on_both_ranks():
+    from tests import distributed_workers
+
+    results = _spawn(distributed_workers.diverge)
+    for kind, message, groups, piece in results:
+        assert kind == "RankMismatchError", message
+        assert groups == [[0], [1]], message
+        assert piece == "piece_0" or piece.startswith("piece_"), message
+        assert "ranks 0: " in message and "ranks 1: " in message, message
+        assert f"First piece that differs: {piece}" in message, message
+        assert "check_ranks=False" in message, message
