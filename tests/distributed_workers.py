@@ -1,5 +1,9 @@
 """Rank functions for ``tests/test_distributed.py``, run in spawned processes by
-:func:`fxsplit.tools.tp_demo.spawn` (module level, so a spawned process can import them)."""
+:func:`fxsplit.tools.tp_demo.spawn` (module level, so a spawned process can import them).
+
+:func:`every_check` runs all of them in one spawn: starting the processes (importing torch in
+each) costs about as much as a check.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import fxsplit
+from fxsplit.models import deepseek_v4
+from fxsplit.tools import tp_demo
 
 IN, HIDDEN = 8, 16
 
@@ -97,3 +103,25 @@ def diverge(rank: int, world_size: int) -> tuple[str, str, list, str]:
             getattr(inner, "piece", None),
         )
     return ("none", "compiled without an error", None, None)
+
+
+def decode(rank: int, world_size: int) -> dict:
+    """:func:`fxsplit.tools.tp_demo.decode` under v1 and v2 on a one-layer model (compile time
+    rules this check), steps long enough to capture and replay size 4."""
+    config = deepseek_v4.DeepseekV4Config(num_layers=1)
+    return tp_demo.decode(rank, world_size, tp_demo.RUNNERS, (4, 4, 4, 2, 4), config)
+
+
+CHECKS = {"decode": decode, "replay_collective": replay_collective, "diverge": diverge}
+
+
+def every_check(rank: int, world_size: int) -> dict:
+    """``{check name: its result, or "error: <type>: <message>"}`` for every check in
+    :data:`CHECKS`, run in that order on every rank."""
+    out = {}
+    for name, check in CHECKS.items():
+        try:
+            out[name] = check(rank, world_size)
+        except Exception as error:
+            out[name] = f"error: {type(error).__name__}: {error}"
+    return out
