@@ -112,7 +112,29 @@ def decode(rank: int, world_size: int) -> dict:
     return tp_demo.decode(rank, world_size, tp_demo.RUNNERS, (4, 4, 4, 2, 4), config)
 
 
-CHECKS = {"decode": decode, "replay_collective": replay_collective, "diverge": diverge}
+def indivisible(rank: int, world_size: int) -> list[str]:
+    """The errors of tensor-parallel models whose sizes the group does not divide."""
+    from fxsplit.models import llama
+
+    group = dist.group.WORLD
+    errors = []
+    for build in (
+        lambda: deepseek_v4.build(deepseek_v4.DeepseekV4Config(num_heads=3), group=group),
+        lambda: llama.build(llama.LlamaConfig(num_heads=3, num_kv_heads=1), group=group),
+    ):
+        try:
+            build()
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+CHECKS = {
+    "decode": decode,
+    "replay_collective": replay_collective,
+    "diverge": diverge,
+    "indivisible": indivisible,
+}
 
 
 def every_check(rank: int, world_size: int) -> dict:

@@ -77,3 +77,11 @@ def test_divergent_split_on_one_rank_raises_the_agreement_error_on_both_ranks(ra
         assert "ranks 0: " in message and "ranks 1: " in message, message
         assert f"First piece that differs: {piece}" in message, message
         assert "check_ranks=False" in message, message
+
+
+def test_a_size_the_group_does_not_divide_is_named(ranks):
+    for errors in _results(ranks, "indivisible"):
+        assert len(errors) == 2, errors
+        assert all("tensor-parallel size 2 does not divide" in e for e in errors), errors
+        assert "num_heads (attention heads) (3)" in errors[0], errors
+        assert "num_heads (query heads) (3)" in errors[1], errors
