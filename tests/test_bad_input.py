@@ -36,6 +36,7 @@ VALID_KEYS = [
     "verify",
     "clone_outputs",
     "dump_dir",
+    "check_ranks",
 ]
 
 
