@@ -112,6 +112,34 @@ def decode(rank: int, world_size: int) -> dict:
     return tp_demo.decode(rank, world_size, tp_demo.RUNNERS, (4, 4, 4, 2, 4), config)
 
 
+def llama_prefill(rank: int, world_size: int) -> dict:
+    """The tensor-parallel Llama model compiled with its attention op as the splitting op,
+    capture emulated, over three prefills of one shape (warm-up, capture, replay): the largest
+    difference from the single-process model, equality with the eager tensor-parallel copy, and
+    the replays."""
+    from fxsplit.models import llama
+
+    single, (ids, positions) = llama.example()
+    model = llama.build(group=dist.group.WORLD)
+    eager = llama.build(group=dist.group.WORLD)
+    torch._dynamo.reset()
+    backend = fxsplit.Backend(capture="emulate", splitting_ops=list(llama.SPLITTING_OPS))
+    compiled = torch.compile(model, backend=backend)
+    before = fxsplit.counters.snapshot()["replays"]
+    diffs, exact = [], []
+    with torch.no_grad():
+        for shift in range(3):
+            step_ids = (ids + shift) % single.config.vocab_size
+            got = compiled(step_ids, positions)
+            diffs.append((got - single(step_ids, positions)).abs().max().item())
+            exact.append(torch.equal(got, eager(step_ids, positions)))
+    return {
+        "diffs": diffs,
+        "exact": exact,
+        "replays": fxsplit.counters.snapshot()["replays"] - before,
+    }
+
+
 def indivisible(rank: int, world_size: int) -> list[str]:
     """The errors of tensor-parallel models whose sizes the group does not divide."""
     from fxsplit.models import llama
@@ -133,6 +161,7 @@ CHECKS = {
     "decode": decode,
     "replay_collective": replay_collective,
     "diverge": diverge,
+    "llama_prefill": llama_prefill,
     "indivisible": indivisible,
 }
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.fx import Graph, GraphModule
 
-from fxsplit import collectives
+from fxsplit import collectives, distributed
 from fxsplit.passes import split
 from fxsplit.passes.mark import Policy
 from fxsplit.passes.ops import op_name
@@ -80,3 +80,19 @@ def test_collective_facts_come_from_the_namespace_and_the_schema():
     gm = _graph_with_eager_op_between_collective_and_wait()
     node = next(n for n in gm.graph.nodes if collectives.is_collective_node(n))
     assert collectives.group_name(node) == "0"
+
+
+def test_split_fingerprint_is_the_same_for_the_same_split_and_names_the_differing_piece():
+    def plan_and_graph(ops):
+        gm = _graph_with_eager_op_between_collective_and_wait()
+        policy = Policy.build(Runner("t", frozenset(), persistent_inputs=False), splitting_ops=ops)
+        result = split(gm, policy)
+        return distributed.fingerprint(result.plan, result.graph_module)
+
+    same = plan_and_graph(["aten::topk"])
+    assert same == plan_and_graph(["aten::topk"])  # no object addresses in it
+    other = plan_and_graph(["aten::topk", "aten::mm"])
+    assert other != same
+    first = next(i for i, (a, b) in enumerate(zip(same, other, strict=False)) if a != b)
+    assert same[first].name == "piece_0"
+    assert same[first].kind == "captured" and other[first].kind == "eager"

@@ -79,6 +79,13 @@ def test_divergent_split_on_one_rank_raises_the_agreement_error_on_both_ranks(ra
         assert "check_ranks=False" in message, message
 
 
+def test_tp2_llama_prefill_with_its_attention_op_split_equals_the_single_process_model(ranks):
+    for result in _results(ranks, "llama_prefill"):
+        assert all(result["exact"]), result
+        assert max(result["diffs"]) < 1e-4, result
+        assert result["replays"] > 0, result
+
+
 def test_a_size_the_group_does_not_divide_is_named(ranks):
     for errors in _results(ranks, "indivisible"):
         assert len(errors) == 2, errors
