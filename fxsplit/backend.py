@@ -126,11 +126,9 @@ class Backend:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        plan = result.plan
-        if config.check_ranks:
-            distributed.check_ranks(graph_id, plan, result.graph_module)
         self._warn_unmatched(policy)
         self._warn_misspelt_regions(config, result.marks)
+        plan = result.plan
         self._warn_no_region(plan, result.marks, runner)
         self.plans.append(plan)
         log.info(
@@ -148,6 +146,8 @@ class Backend:
         counters.totals["captured_pieces"] += len(plan.captured)
         counters.totals["eager_pieces"] += len(plan.eager)
         trace.emit_plan(result)
+        if config.check_ranks:  # before anything can capture
+            distributed.check_ranks(graph_id, plan, result.graph_module)
         runtime = None
         if mode != "off":
             runtime = GraphRuntime(
