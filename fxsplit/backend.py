@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import counters, distributed, runners, trace
+from fxsplit import counters, runners, trace
 from fxsplit.config import Config
+from fxsplit.distributed import check_ranks
 from fxsplit.passes import Split, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
@@ -147,7 +148,7 @@ class Backend:
         counters.totals["eager_pieces"] += len(plan.eager)
         trace.emit_plan(result)
         if config.check_ranks:  # before anything can capture
-            distributed.check_ranks(graph_id, plan, result.graph_module)
+            check_ranks(graph_id, plan, result.graph_module)
         runtime = None
         if mode != "off":
             runtime = GraphRuntime(
