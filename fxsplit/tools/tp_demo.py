@@ -187,7 +187,8 @@ def run(world_size: int) -> int:
         highlight=False,
     )
     try:
-        results = spawn(decode, world_size)
+        # N ranks share the machine's cores: allow more time for more ranks.
+        results = spawn(decode, world_size, timeout_s=max(TIMEOUT_S, 120.0 * world_size))
     except (TimeoutError, RuntimeError) as error:
         console.print(f"[red]tensor-parallel demo failed: {error}[/]")
         return 1
@@ -223,6 +224,11 @@ def run(world_size: int) -> int:
             "yes" if good else "NO",
         )
     console.print(table)
+    for runner in RUNNERS:  # the captured path must have run, on every rank
+        for rank, result in enumerate(results):
+            if not any(r["replays"] for r in result["rows"] if r["runner"] == runner):
+                ok = False
+                console.print(f"[red]rank {rank}, runner {runner}: no replay[/]")
     console.print(
         f"max diff: against the single-process model (allowed {ATOL:g}: sums run in another "
         "order); every rank's compiled logits must also equal its eager tensor-parallel "
