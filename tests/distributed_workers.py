@@ -7,6 +7,8 @@ each) costs about as much as a check.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -103,6 +105,13 @@ def diverge(rank: int, world_size: int) -> tuple[str, str, list, str]:
             getattr(inner, "piece", None),
         )
     return ("none", "compiled without an error", None, None)
+
+
+def hang(rank: int, world_size: int) -> None:
+    """Rank 0 waits in an all-reduce that rank 1 never joins (rank 1 sleeps): a hang."""
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))
+    time.sleep(3600)
 
 
 def decode(rank: int, world_size: int) -> dict:

@@ -92,3 +92,17 @@ def test_a_size_the_group_does_not_divide_is_named(ranks):
         assert all("tensor-parallel size 2 does not divide" in e for e in errors), errors
         assert "num_heads (attention heads) (3)" in errors[0], errors
         assert "num_heads (query heads) (3)" in errors[1], errors
+
+
+def test_a_hang_fails_fast_and_leaves_no_process():
+    import multiprocessing
+    import time
+
+    from fxsplit.tools.tp_demo import spawn
+    from tests import distributed_workers
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within 5 s"):
+        spawn(distributed_workers.hang, 2, timeout_s=5.0)
+    assert time.monotonic() - start < 30
+    assert not multiprocessing.active_children()  # both ranks killed and reaped
