@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fxsplit import counters, runners
 from fxsplit.backend import Backend, plans
 from fxsplit.config import Config
+from fxsplit.distributed import RankMismatchError
 from fxsplit.explain import explain
 from fxsplit.plan import Piece, SplitPlan
 from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER, region
@@ -31,6 +32,7 @@ __all__ = [
     "CaptureError",
     "Config",
     "Piece",
+    "RankMismatchError",
     "SplitPlan",
     "VerifyError",
     "counters",

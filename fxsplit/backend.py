@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 from fxsplit import cache, counters, trace
 from fxsplit.config import Config
 from fxsplit.config_checks import ConfigChecks, WarnOnSecondCall
+from fxsplit.distributed import check_ranks
 from fxsplit.passes import Split, inductor, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
@@ -80,6 +81,8 @@ class Backend:
         Raises:
             ValueError: ``mode`` other than "default", or a bad option.
             TypeError: an unknown keyword from torch, or an option of the wrong type.
+            fxsplit.distributed.RankMismatchError: ranks split the graph differently (with
+                ``torch.distributed`` initialised and ``check_ranks`` on).
         """
         if kwargs:
             raise TypeError(
@@ -152,6 +155,8 @@ class Backend:
         counters.totals["captured_pieces"] += len(plan.captured)
         counters.totals["eager_pieces"] += len(plan.eager)
         trace.emit_plan(result)
+        if config.check_ranks:  # before anything can capture
+            check_ranks(graph_id, plan, result.graph_module)
         runtime = None
         if mode != "off":
             runtime = GraphRuntime(

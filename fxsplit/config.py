@@ -50,6 +50,9 @@ class Config:
             tensors are on a CUDA/HIP device, else eager).
         cache_dir: folder of the compiled-piece cache; defaults to ``$FXSPLIT_CACHE_DIR``, else
             ``fxsplit`` under the user's cache folder.
+        check_ranks: where ``torch.distributed`` is initialised, compare each graph's split
+            across the ranks right after splitting and raise on a mismatch
+            (:mod:`fxsplit.distributed`); False skips it (single-rank debugging).
     """
 
     runner: str | Runner = "v1"
@@ -69,6 +72,7 @@ class Config:
     dump_dir: str | None = None
     compile_pieces: str = "auto"
     cache_dir: str | None = None
+    check_ranks: bool = True
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, base: Config | None = None):
@@ -264,4 +268,5 @@ _VALIDATORS = {
     "dump_dir": _optional(_folder),
     "compile_pieces": _choice(COMPILE_MODES),
     "cache_dir": _optional(_folder),
+    "check_ranks": _bool,
 }

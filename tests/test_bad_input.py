@@ -36,6 +36,9 @@ VALID_KEYS = [
     "verify",
     "clone_outputs",
     "dump_dir",
+    "compile_pieces",
+    "cache_dir",
+    "check_ranks",
 ]
 
 

@@ -111,6 +111,7 @@ def test_unknown_key_lists_valid_keys():
         ("max_captured_keys", 2.0),
         ("warmup_runs", "1"),
         ("dump_dir", 3),
+        ("check_ranks", "no"),
     ],
 )
 def test_wrong_type_raises_type_error_naming_key(key, value):

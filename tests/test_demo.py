@@ -37,3 +37,10 @@ def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, c
     out = capsys.readouterr().out
     assert "skipped the transformers section" in out and "pip install" in out
     assert "FAILED" not in out
+
+
+def test_demo_tp_below_one_is_a_usage_error(capsys):
+    from fxsplit.tools import cli
+
+    assert cli.main(["demo", "--tp", "0"]) == 2
+    assert "--tp 0: needs N >= 1" in capsys.readouterr().err

@@ -23,6 +23,16 @@ Each layer's attention is three adjacent regions with no captured compute betwee
 
 Everything is float32 and runs on CPU; the model traces with Dynamo into one graph under
 ``fullgraph=True, dynamic=True`` (no ``.item()``, no data-dependent shapes or branches).
+
+Tensor parallel: ``build(group=...)`` (or ``DeepseekV4Model(config, group)``) shards the model
+built from the same seed over a ``torch.distributed`` process group (:mod:`fxsplit.models.tp`):
+attention heads and indexer heads split across ranks (``q_b``, ``kv_b``, ``index_q``,
+``index_weights`` column-parallel; ``o_proj`` row-parallel with an ``all_reduce``; the indexer's
+per-head score sum all-reduced inside the indexer region), the MLP column/row-parallel with a
+``reduce_scatter_tensor`` + ``all_gather_tensor`` over the hidden dim, the embedding
+vocab-parallel (``all_reduce``) and the logits vocab-parallel (``all_gather_tensor``). The
+low-rank projections, norms and the paged caches are replicated. Regions are the same as with
+one process.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fxsplit.models import tp
 from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER, region
 
 __all__ = [
@@ -188,7 +199,7 @@ def context_slots(
 
 
 def lightning_indexer(
-    q: Tensor, weights: Tensor, keys: Tensor, valid: Tensor, topk: int
+    q: Tensor, weights: Tensor, keys: Tensor, valid: Tensor, topk: int, group=None
 ) -> tuple[Tensor, Tensor]:
     """Lightning indexer scores (DeepSeek-V3.2 eq. 1) and top-k selection (eq. 2).
 
@@ -203,13 +214,15 @@ def lightning_indexer(
         keys: [T, S, D_i] float32 index keys of each token's S context positions.
         valid: [T, S] bool, True where a context position holds a token.
         topk: k, a Python int <= S.
+        group: tensor-parallel process group when ``q`` and ``weights`` hold this rank's index
+            heads only: the per-head sum is then all-reduced over the ranks; None for all heads.
 
     Returns:
         ``(positions, selected_valid)``: [T, topk] int64 indices into the S context positions,
         and [T, topk] bool.
     """
     logits = torch.einsum("thd,tsd->ths", q, keys).relu()
-    scores = (weights[:, :, None] * logits).sum(dim=1)
+    scores = tp.all_reduce((weights[:, :, None] * logits).sum(dim=1), group)
     scores = scores.masked_fill(~valid, float("-inf"))
     positions = scores.topk(topk, dim=-1).indices
     return positions, valid.gather(1, positions)
@@ -267,12 +280,21 @@ class DeepseekV4Attention(nn.Module):
     - ``kv_cache``: [num_slots, kv_lora_rank] float32 normalised KV latents.
     - ``pe_cache``: [num_slots, qk_rope_dim] float32 rope keys, RoPE applied.
     - ``index_cache``: [num_slots, index_head_dim] float32 indexer keys, RoPE applied.
+
+    With a tensor-parallel ``group`` this rank holds ``num_heads / tp`` attention heads and
+    ``index_n_heads / tp`` index heads (the caches are replicated).
+
+    Raises:
+        ValueError: the group size does not divide ``num_heads`` or ``index_n_heads``.
     """
 
-    def __init__(self, config: DeepseekV4Config) -> None:
+    def __init__(self, config: DeepseekV4Config, group=None) -> None:
         super().__init__()
         c = config
         self.config = c
+        heads = tp.shard_count(c.num_heads, group, "num_heads (attention heads)")
+        index_heads = tp.shard_count(c.index_n_heads, group, "index_n_heads (indexer heads)")
+        self.num_heads, self.index_n_heads, self.group = heads, index_heads, group
         qk_head_dim = c.qk_nope_dim + c.qk_rope_dim
         self.scale = qk_head_dim**-0.5
         # The indexer's per-head weights absorb both the head-count and dot-product scales.
@@ -302,6 +324,12 @@ class DeepseekV4Attention(nn.Module):
             ("index_cache", c.index_head_dim),
         ):
             self.register_buffer(name, torch.zeros(c.num_slots, width), persistent=False)
+        if group is not None:
+            self.q_b = tp.ColumnParallelLinear(self.q_b, group, "attention heads")
+            self.kv_b = tp.ColumnParallelLinear(self.kv_b, group, "attention heads")
+            self.o_proj = tp.RowParallelLinear(self.o_proj, group, "attention heads")
+            self.index_q = tp.ColumnParallelLinear(self.index_q, group, "indexer heads")
+            self.index_weights = tp.ColumnParallelLinear(self.index_weights, group, "indexer heads")
 
     def forward(
         self,
@@ -325,11 +353,11 @@ class DeepseekV4Attention(nn.Module):
 
         # Projections: metadata-free, captured under every runner.
         q_lat = self.q_a_norm(self.q_a(x))
-        q = self.q_b(q_lat).unflatten(-1, (c.num_heads, c.qk_nope_dim + rd))
+        q = self.q_b(q_lat).unflatten(-1, (self.num_heads, c.qk_nope_dim + rd))
         q_nope, q_pe = q.split((c.qk_nope_dim, rd), dim=-1)
         latent, k_pe = self.kv_a(x).split((c.kv_lora_rank, rd), dim=-1)
         latent = self.kv_a_norm(latent)
-        iq = self.index_q(q_lat).unflatten(-1, (c.index_n_heads, c.index_head_dim))
+        iq = self.index_q(q_lat).unflatten(-1, (self.index_n_heads, c.index_head_dim))
         ik = self.index_k_norm(self.index_k(x))
         iw = self.index_weights(x) * self.index_weight_scale
 
@@ -348,7 +376,7 @@ class DeepseekV4Attention(nn.Module):
 
         with region(SPARSE_INDEXER):
             keys = self.index_cache[ctx_slots]
-            picked, sel_valid = lightning_indexer(iq, iw, keys, ctx_valid, c.index_topk)
+            picked, sel_valid = lightning_indexer(iq, iw, keys, ctx_valid, c.index_topk, self.group)
             sel_slots = ctx_slots.gather(1, picked)
 
         with region(ATTENTION):
@@ -367,13 +395,22 @@ class DeepseekV4Attention(nn.Module):
 
 
 class DeepseekV4MLP(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; [B, hidden] -> [B, hidden] float32."""
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``; [B, hidden] -> [B, hidden] float32.
 
-    def __init__(self, config: DeepseekV4Config) -> None:
+    With a tensor-parallel ``group``: ``gate`` and ``up`` column-parallel, ``down``
+    row-parallel, its sum a reduce-scatter + all-gather over the hidden dim.
+    """
+
+    def __init__(self, config: DeepseekV4Config, group=None) -> None:
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        if group is not None:
+            what = "intermediate_size"
+            self.gate = tp.ColumnParallelLinear(self.gate, group, what)
+            self.up = tp.ColumnParallelLinear(self.up, group, what)
+            self.down = tp.RowParallelLinear(self.down, group, what, scatter_dim=-1)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -382,12 +419,12 @@ class DeepseekV4MLP(nn.Module):
 class DeepseekV4DecoderLayer(nn.Module):
     """Pre-norm decoder layer: ``h += attn(norm(h)); h += mlp(norm(h))``."""
 
-    def __init__(self, config: DeepseekV4Config) -> None:
+    def __init__(self, config: DeepseekV4Config, group=None) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.attn = DeepseekV4Attention(config)
+        self.attn = DeepseekV4Attention(config, group)
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = DeepseekV4MLP(config)
+        self.mlp = DeepseekV4MLP(config, group)
 
     def forward(
         self,
@@ -412,17 +449,32 @@ class DeepseekV4Model(nn.Module):
     eager reference and a compiled copy need separate instances (:func:`clone_model`). Running
     the same step twice on one instance is idempotent: it rewrites the same slots with the same
     values.
+
+    Args:
+        config: sizes; the default config when None.
+        group: a ``torch.distributed`` process group to run tensor-parallel over (see the
+            module docstring); None (the default) runs in one process. Its weights are this
+            rank's shards of the weights the single-process model draws.
+
+    Raises:
+        ValueError: the group size does not divide the heads, index heads, vocabulary,
+            intermediate or hidden size.
     """
 
-    def __init__(self, config: DeepseekV4Config | None = None) -> None:
+    def __init__(self, config: DeepseekV4Config | None = None, group=None) -> None:
         super().__init__()
         self.config = config = config or DeepseekV4Config()
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DeepseekV4DecoderLayer(config) for _ in range(config.num_layers)
+            DeepseekV4DecoderLayer(config, group) for _ in range(config.num_layers)
         )
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if group is not None:
+            self.embed = tp.VocabParallelEmbedding(self.embed, group)
+            self.lm_head = tp.ColumnParallelLinear(
+                self.lm_head, group, "the vocabulary", gather_output=True
+            )
 
     def forward(
         self,
@@ -452,21 +504,27 @@ class DeepseekV4Model(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def build(config: DeepseekV4Config | None = None, seed: int = 0) -> DeepseekV4Model:
+def build(config: DeepseekV4Config | None = None, seed: int = 0, group=None) -> DeepseekV4Model:
     """A :class:`DeepseekV4Model` in eval mode with weights drawn deterministically from ``seed``.
 
     Seeds the global RNG (``torch.manual_seed``) before initialising, as the default
     ``nn.Linear``/``nn.Embedding`` initialisers draw from it; caches start zeroed. Parameters
     do not require grad: cache writes from grad-requiring values would chain every step's
-    autograd graph onto the caches.
+    autograd graph onto the caches. With a process ``group``, each rank gets its shards of the
+    single-process model built from the same seed.
+
+    Raises:
+        ValueError: the group size does not divide a split dim (see :class:`DeepseekV4Model`).
     """
     torch.manual_seed(seed)
-    return DeepseekV4Model(config).eval().requires_grad_(False)
+    return DeepseekV4Model(config, group).eval().requires_grad_(False)
 
 
 def clone_model(model: nn.Module) -> nn.Module:
-    """A deep copy with identical weights and cache contents at new addresses."""
-    return copy.deepcopy(model)
+    """A deep copy with identical weights and cache contents at new addresses (process groups
+    are shared, not copied)."""
+    groups = {id(g): g for m in model.modules() if (g := getattr(m, "group", None)) is not None}
+    return copy.deepcopy(model, memo=groups)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,11 @@ returning a new tensor. Prefill-style: a batch of equal-length prompts, no KV ca
 
 Architecture as in Llama 2/3 (Touvron et al., 2023): pre-norm RMSNorm, RoPE, grouped-query
 attention, SwiGLU MLP. Everything is float32.
+
+Tensor parallel: ``build(group=...)`` shards the model built from the same seed over a
+``torch.distributed`` process group (:mod:`fxsplit.models.tp`): query and key/value heads split
+across ranks (``q_proj``, ``k_proj``, ``v_proj`` column-parallel, ``o_proj`` row-parallel with an
+``all_reduce``), the MLP column/row-parallel, the embedding and the logits vocab-parallel.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from fxsplit.models import tp
 
 __all__ = [
     "SPLITTING_OPS",
@@ -95,12 +102,22 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder layer: ``h += o_proj(attn(rope(q), rope(k), v)); h += mlp(norm(h))``."""
+    """Pre-norm decoder layer: ``h += o_proj(attn(rope(q), rope(k), v)); h += mlp(norm(h))``.
 
-    def __init__(self, config: LlamaConfig) -> None:
+    With a tensor-parallel ``group`` this rank holds ``num_heads / tp`` query heads and
+    ``num_kv_heads / tp`` key/value heads.
+
+    Raises:
+        ValueError: the group size does not divide ``num_heads``, ``num_kv_heads`` or
+            ``intermediate_size``.
+    """
+
+    def __init__(self, config: LlamaConfig, group=None) -> None:
         super().__init__()
         c = config
         self.config = c
+        self.num_heads = tp.shard_count(c.num_heads, group, "num_heads (query heads)")
+        self.num_kv_heads = tp.shard_count(c.num_kv_heads, group, "num_kv_heads (kv heads)")
         self.attn_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
@@ -110,14 +127,22 @@ class LlamaDecoderLayer(nn.Module):
         self.gate = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        if group is not None:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(self, name, tp.ColumnParallelLinear(getattr(self, name), group, "heads"))
+            self.o_proj = tp.RowParallelLinear(self.o_proj, group, "heads")
+            what = "intermediate_size"
+            self.gate = tp.ColumnParallelLinear(self.gate, group, what)
+            self.up = tp.ColumnParallelLinear(self.up, group, what)
+            self.down = tp.RowParallelLinear(self.down, group, what)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """[B, S, hidden] float32 -> same; ``cos``/``sin`` [B, S, head_dim/2] float32."""
         c = self.config
         x = self.attn_norm(h)
-        q = _rope(self.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim)), cos, sin)
-        k = _rope(self.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim)), cos, sin)
-        v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
+        q = _rope(self.q_proj(x).unflatten(-1, (self.num_heads, c.head_dim)), cos, sin)
+        k = _rope(self.k_proj(x).unflatten(-1, (self.num_kv_heads, c.head_dim)), cos, sin)
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, c.head_dim))
         # The output buffer is allocated by the piece before the op, as engines require.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         llama_attention(q, k, v, out)
@@ -132,15 +157,31 @@ class LlamaModel(nn.Module):
     ``forward(input_ids [B, S] int64, positions [B, S] int64) -> logits [B, S, vocab] float32``.
     Attention is causal over the S tokens of each row whatever ``positions`` holds; positions
     only drive RoPE.
+
+    Args:
+        config: sizes; the default config when None.
+        group: a ``torch.distributed`` process group to run tensor-parallel over; None (the
+            default) runs in one process.
+
+    Raises:
+        ValueError: the group size does not divide the heads, kv heads, intermediate size or
+            vocabulary.
     """
 
-    def __init__(self, config: LlamaConfig | None = None) -> None:
+    def __init__(self, config: LlamaConfig | None = None, group=None) -> None:
         super().__init__()
         self.config = config = config or LlamaConfig()
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, group) for _ in range(config.num_layers)
+        )
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if group is not None:
+            self.embed = tp.VocabParallelEmbedding(self.embed, group)
+            self.lm_head = tp.ColumnParallelLinear(
+                self.lm_head, group, "the vocabulary", gather_output=True
+            )
         d = config.head_dim
         inv_freq = config.rope_theta ** (-torch.arange(0, d, 2) / d)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -163,14 +204,18 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def build(config: LlamaConfig | None = None, seed: int = 0) -> LlamaModel:
+def build(config: LlamaConfig | None = None, seed: int = 0, group=None) -> LlamaModel:
     """A :class:`LlamaModel` in eval mode, weights drawn deterministically from ``seed``.
 
     Seeds the global RNG (``torch.manual_seed``) before initialising. Parameters do not require
-    grad (inference model).
+    grad (inference model). With a process ``group``, each rank gets its shards of the
+    single-process model built from the same seed.
+
+    Raises:
+        ValueError: the group size does not divide a split dim (see :class:`LlamaModel`).
     """
     torch.manual_seed(seed)
-    return LlamaModel(config).eval().requires_grad_(False)
+    return LlamaModel(config, group).eval().requires_grad_(False)
 
 
 def example(batch_size: int = 2, seq_len: int = 8) -> tuple[LlamaModel, tuple[Tensor, Tensor]]:

@@ -20,7 +20,7 @@ from torch.fx import Graph, Node
 
 from fxsplit.passes import global_state
 from fxsplit.passes.modules import ModuleMatcher
-from fxsplit.passes.normalise import is_multi_output_getitem
+from fxsplit.passes.normalise import is_multi_output_getitem, waited_collective
 from fxsplit.passes.ops import OpMatcher, op_name, op_names, unsafe_op
 from fxsplit.regions import node_regions
 from fxsplit.runners import Runner
@@ -113,7 +113,8 @@ class Marks:
         reasons: eager nodes -> sorted reason strings.
         regions: nodes inside any region -> region names (marked and module-matched).
         follows: nodes that take another node's kind: a multi-output getitem its producer's,
-            a Size value its (single, next) user's.
+            a collective's ``wait_tensor`` its collective's, a Size value its (single, next)
+            user's.
         trivial: nodes that launch no kernel (host values, allocations, views).
         host: nodes that only turn a graph input into a host value; they run in the stitched
             module before any piece, like placeholders (see :func:`is_host_input`).
@@ -183,6 +184,11 @@ def mark(graph: Graph, policy: Policy) -> Marks:
         meta = node.meta
         value = meta.get("example_value")
         if target is getitem and is_multi_output_getitem(node):
+            marks.follows[node] = node.args[0]
+            marks.trivial.add(node)
+            continue
+        if waited_collective(node) is not None:
+            # Placed right after its collective by normalise; one piece holds both.
             marks.follows[node] = node.args[0]
             marks.trivial.add(node)
             continue

@@ -7,6 +7,11 @@ Two rules, both needed before partitioning:
   user, so it always lands in its user's piece. Its own inputs are tensors, which may cross.
 - A ``getitem`` on a multi-output value stays with its producer: it is moved right after the
   producer (a pure read, so moving it earlier never changes a value).
+- A functional collective's ``wait_tensor`` stays with its collective: it is moved right after
+  it (Dynamo's trace already puts it there; waiting earlier only gives up overlap). The mark pass
+  then gives both one kind, so no eager piece ever runs between a collective and its wait (a
+  captured collective whose wait ran in another piece would be replayed unwaited, and a wait
+  left behind an eager piece could order collectives differently from eager on some rank).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import operator
 
 import torch
 from torch.fx import Graph, Node
+
+from fxsplit.collectives import is_collective_node, is_wait_node
 
 
 def is_size(node: Node) -> bool:
@@ -35,8 +42,19 @@ def is_multi_output_getitem(node: Node) -> bool:
     )
 
 
+def waited_collective(node: Node) -> Node | None:
+    """For ``wait_tensor`` on a collective's result (or a getitem of it), the collective node;
+    else None."""
+    if not is_wait_node(node) or not node.args or not isinstance(node.args[0], Node):
+        return None
+    source = node.args[0]
+    if is_multi_output_getitem(source):
+        source = source.args[0]
+    return source if is_collective_node(source) else None
+
+
 def normalise(graph: Graph) -> None:
-    """Apply both rules to ``graph`` in place."""
+    """Apply the three rules to ``graph`` in place."""
     anchors: dict[Node, Node] = {}
     sizes: list[Node] = []
     for node in graph.nodes:
@@ -46,6 +64,12 @@ def normalise(graph: Graph) -> None:
             if anchor.next is not node:
                 anchor.append(node)
             anchors[producer] = node
+        elif waited_collective(node) is not None:
+            source = node.args[0]
+            anchor = anchors.get(source, source)
+            if anchor.next is not node:
+                anchor.append(node)
+            anchors[source] = node
         if is_size(node) and node.op != "placeholder":
             sizes.append(node)
     # Reverse order: a Size computed from another Size is copied first, so the upstream Size then

@@ -31,6 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from fxsplit.collectives import is_collective
+
 __all__ = ["CaptureError", "EmulatedGraph", "call_opaque"]
 
 aten = torch.ops.aten
@@ -209,6 +211,7 @@ _COPY1 = 1  # re-run, copy the single fresh tensor result into the recorded outp
 _COPYN = 2  # re-run, copy selected entries of a flat tuple/list result
 _COPYTREE = 3  # re-run, copy selected leaves of a nested result
 _RESTORE = 4  # copy a constant captured at capture time back into the recorded tensor
+_COLLECTIVE = 5  # re-issue a collective, wait for it, copy its fresh results (as _COPYTREE)
 
 _ACTION_NAMES = {
     _RUN: "run",
@@ -216,8 +219,15 @@ _ACTION_NAMES = {
     _COPYN: "run+copy",
     _COPYTREE: "run+copy",
     _RESTORE: "restore",
+    _COLLECTIVE: "run+wait",
 }
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _wait_tensor(t: torch.Tensor) -> None:
+    # Resolved per call: the op exists only where torch.distributed is built in, and a record
+    # holds collectives only there.
+    torch.ops._c10d_functional.wait_tensor(t)
 
 
 def _freeze_sym(value: Any) -> Any:
@@ -361,6 +371,15 @@ class _Recorder(TorchDispatchMode):
         schema = getattr(func, "_schema", None)
         mutable = schema is None or schema.is_mutable
         call = _callable(func)
+        if is_collective(func):
+            # Its result is not ready until the program's wait_tensor, which records as a view
+            # (skipped). The replay waits right after issuing instead, then copies, so every
+            # rank issues its collectives in the recorded order and reads only finished results.
+            leaves = tree_leaves(out)
+            copies = tuple((i, t) for i, t in enumerate(leaves) if fresh(t))
+            self.steps.append((_COLLECTIVE, call, args, kwargs, copies))
+            self.actions.append((name, _ACTION_NAMES[_COLLECTIVE]))
+            return
         if isinstance(out, torch.Tensor):
             if fresh(out):
                 step = (_COPY1, call, args, kwargs, out)
@@ -537,6 +556,11 @@ class EmulatedGraph:
       and so are in-place metadata changes (``unsqueeze_``, ``t_``, ``as_strided_``: ops tagged
       ``inplace_view``), which a CUDA graph does not replay either. Random ops draw fresh
       numbers on every replay (CUDA graphs advance the RNG offset).
+    * Functional collectives (``_c10d_functional`` ops, e.g. gloo's ``all_reduce``) are
+      re-issued on the recorded tensors, in recorded order, and waited for right there; their
+      results are then copied into the recorded outputs (the program's own ``wait_tensor``
+      records as a view). Every rank must replay the same records in the same order, as with
+      NCCL collectives captured in CUDA graphs.
     * Capture raises :class:`CaptureError` for what CUDA capture rejects: ``.item()`` and other
       host reads (``.tolist()``, ``.numpy()``, ``.cpu()``, ``.to("cpu")``, ``int(t)``,
       ``if t:``, printing), data-dependent output shapes (``nonzero``, ``unique``,
@@ -652,6 +676,13 @@ class EmulatedGraph:
                         d.copy_(res[i])
                 elif kind == _COPYTREE:
                     leaves = tree_leaves(call(*args, **kwargs))
+                    for i, d in dst:
+                        d.copy_(leaves[i])
+                elif kind == _COLLECTIVE:
+                    leaves = tree_leaves(call(*args, **kwargs))
+                    for leaf in leaves:
+                        if isinstance(leaf, torch.Tensor):
+                            _wait_tensor(leaf)
                     for i, d in dst:
                         d.copy_(leaves[i])
                 else:  # _RESTORE: args holds the constant captured at capture time

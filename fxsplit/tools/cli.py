@@ -188,6 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="compile captured pieces with Inductor (default auto: on GPUs)",
     )
+    demo_parser.add_argument(
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead: DeepSeek-V4 decode tensor-parallel over N CPU processes (gloo, capture "
+        "emulated) under v1 and v2, each rank compared with the single-process model",
+    )
     factory_help = "MODULE:FACTORY; FACTORY() returns (model, example_inputs)"
     options_help = 'fxsplit options as a JSON object, e.g. \'{"splitting_ops": ["aten::topk"]}\''
     dump_help = "plan a model without capturing, print the plan, write one dump folder per graph"
@@ -214,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "cache":
         return _cache(args)
     if args.command == "demo":
+        if args.tp is not None:
+            if args.tp < 1:
+                print(f"fxsplit demo: error: --tp {args.tp}: needs N >= 1", file=sys.stderr)
+                return 2
+            from fxsplit.tools import tp_demo
+
+            return tp_demo.run(args.tp)
         from fxsplit.tools import demo
 
         return demo.run(compile_pieces=args.compile_pieces)
