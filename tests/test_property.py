@@ -27,7 +27,9 @@ its program.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -563,15 +565,22 @@ def _schedule(case: Case) -> list[int]:
     return [b1] * runs + [b2] * runs + [b1]
 
 
-def _same(a, b) -> bool:
+def _same(a, b, exact: bool = True) -> bool:
     if isinstance(a, torch.Tensor):
         return (
             isinstance(b, torch.Tensor)
             and a.shape == b.shape
             and a.dtype == b.dtype
-            and torch.equal(a, b)
+            and (
+                torch.equal(a, b)
+                or (not exact and torch.allclose(a, b, atol=INDUCTOR_TOLERANCE, equal_nan=True))
+            )
         )
     return type(a) is type(b) and a == b
+
+
+# Inductor pieces: fp32 results may differ by rounding (fused, reordered reductions).
+INDUCTOR_TOLERANCE = 1e-4
 
 
 def _shares_storage(a, b) -> bool:
@@ -602,6 +611,7 @@ def run_case(case: Case) -> fxsplit.Backend:
         **case.options,
     }
     backend = fxsplit.Backend(**options)
+    exact = options.get("compile_pieces", "auto") != "inductor"
     fullgraph = not any(ins[0] == "graph_break" for ins in case.program)
     compiled = torch.compile(model, backend=backend, dynamic=case.dynamic, fullgraph=fullgraph)
     # strict binding: the runner hands its own persistent buffers, refilled in place
@@ -650,7 +660,7 @@ def run_case(case: Case) -> fxsplit.Backend:
                     # the caller handed in the previous step's output buffer and gets it back:
                     # this step's replay overwrote it (README, "Output lifetime")
                     continue
-                assert _same(e, g), f"step {step} (batch {b}): output {i} differs\n{e}\n{g}"
+                assert _same(e, g, exact), f"step {step} (batch {b}): output {i} differs\n{e}\n{g}"
             assert torch.equal(xe, xc), f"step {step} (batch {b}): input x differs"
             if not fed:  # a fed-back output may be overwritten by this step's replay (documented)
                 assert torch.equal(ye, yc), f"step {step} (batch {b}): input y differs"
@@ -669,6 +679,16 @@ def test_compiled_equals_eager(case):
         event(name)
     event(f"splitting_ops={len(case.splitting_ops)}, eager_modules={len(case.eager_modules)}")
     run_case(case)
+
+
+@settings(max_examples=int(os.environ.get("FXSPLIT_INDUCTOR_EXAMPLES", 8)), derandomize=True)
+@given(case=cases())
+def test_inductor_pieces_equal_eager(case, tmp_path_factory):
+    """A sample of the property with captured pieces compiled by Inductor (its C++ compile
+    costs seconds per distinct piece: 8 programs in CI, FXSPLIT_INDUCTOR_EXAMPLES for more)."""
+    folder = str(tmp_path_factory.getbasetemp() / "inductor_property")
+    compiled = {**case.options, "compile_pieces": "inductor", "cache_dir": folder}
+    run_case(dataclasses.replace(case, options=compiled))
 
 
 def test_feature_frequencies_at_least_ten_percent():
