@@ -688,7 +688,9 @@ def test_inductor_pieces_equal_eager(case, tmp_path_factory):
     costs seconds per distinct piece: 8 programs in CI, FXSPLIT_INDUCTOR_EXAMPLES for more)."""
     folder = str(tmp_path_factory.getbasetemp() / "inductor_property")
     compiled = {**case.options, "compile_pieces": "inductor", "cache_dir": folder}
-    run_case(dataclasses.replace(case, options=compiled))
+    backend = run_case(dataclasses.replace(case, options=compiled))
+    outcomes = {r.outcome for split in backend.compiled for r in split.compiled_pieces or ()}
+    event(f"piece outcomes: {sorted(outcomes)}")
 
 
 def test_feature_frequencies_at_least_ten_percent():
