@@ -20,7 +20,8 @@ from fxsplit.distributed import check_ranks
 from fxsplit.passes import Split, inductor, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
-from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime
+from fxsplit.runtime.binding import is_static_input
+from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime, size_input_index
 from fxsplit.runtime.graphs import DeviceCapture
 from fxsplit.runtime.strict import StrictInputs
 from fxsplit.tools import dump
@@ -128,7 +129,11 @@ class Backend:
         if inductor.resolve(config.compile_pieces, cuda) == "inductor":
             try:
                 result.compiled_pieces = inductor.compile_pieces(
-                    result, cuda, cache.cache_dir(config.cache_dir), torch.is_grad_enabled()
+                    result,
+                    cuda,
+                    cache.cache_dir(config.cache_dir),
+                    torch.is_grad_enabled(),
+                    *_traced_size(result, example_inputs, frame, config),
                 )
             except inductor.RestartAnalysis:
                 # Dynamo traces the frame again (a float specialised) and calls us again:
@@ -284,6 +289,23 @@ def _frame() -> Frame | None:
     if resumed:  # torch_dynamo_resume_in_<function>_at_<line>
         name = root.__name__ if root is not None else name.split("_in_", 1)[1].rsplit("_at_")[0]
     return Frame(tuple(code.co_varnames[:count]), resumed, root, name)
+
+
+def _traced_size(result: Split, example_inputs, frame: Frame | None, config: Config):
+    """(the token count as Dynamo traced it, a SymInt when dynamic; ``compile_sizes``) for
+    the Inductor pass."""
+    if not config.compile_sizes:
+        return None, ()
+    placeholders = list(result.materialised.stitched.graph.find_nodes(op="placeholder"))
+    params = [i for i, n in enumerate(placeholders) if is_static_input(n)]
+    names = frame.arg_names if frame is not None else None
+    index = size_input_index(
+        placeholders, example_inputs, params, names, config.size_input, warn=False
+    )
+    traced = placeholders[index].meta.get("example_value") if index is not None else None
+    if not isinstance(traced, torch.Tensor):
+        return None, ()
+    return traced.shape[0], config.compile_sizes
 
 
 def _cuda_device(example_inputs) -> torch.device | None:

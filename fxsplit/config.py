@@ -48,6 +48,8 @@ class Config:
         compile_pieces: ``"inductor"`` (compile each distinct captured piece with Inductor),
             ``"eager"`` (run the generated Python) or ``"auto"`` (Inductor where the graph's
             tensors are on a CUDA/HIP device, else eager).
+        compile_sizes: token counts (as ``capture_sizes``) that get an Inductor compile of their
+            own besides the symbolic one (Inductor can then specialise its kernels).
         cache_dir: folder of the compiled-piece cache; defaults to ``$FXSPLIT_CACHE_DIR``, else
             ``fxsplit`` under the user's cache folder.
         check_ranks: where ``torch.distributed`` is initialised, compare each graph's split
@@ -71,6 +73,7 @@ class Config:
     clone_outputs: bool = False
     dump_dir: str | None = None
     compile_pieces: str = "auto"
+    compile_sizes: tuple[int, ...] = ()
     cache_dir: str | None = None
     check_ranks: bool = True
 
@@ -267,6 +270,7 @@ _VALIDATORS = {
     "clone_outputs": _bool,
     "dump_dir": _optional(_folder),
     "compile_pieces": _choice(COMPILE_MODES),
+    "compile_sizes": lambda k, v: _capture_sizes(k, v) if v else (),
     "cache_dir": _optional(_folder),
     "check_ranks": _bool,
 }

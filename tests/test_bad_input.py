@@ -37,6 +37,7 @@ VALID_KEYS = [
     "clone_outputs",
     "dump_dir",
     "compile_pieces",
+    "compile_sizes",
     "cache_dir",
     "check_ranks",
 ]

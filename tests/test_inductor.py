@@ -191,3 +191,25 @@ def test_cache_dir_defaults(monkeypatch, tmp_path):
 def test_bad_compile_pieces_value_is_rejected():
     with pytest.raises(ValueError, match=r"compile_pieces='triton'.*'inductor'"):
         fxsplit.Backend(compile_pieces="triton")
+
+
+def test_compile_sizes_get_their_own_compile(cache_root):
+    model = Stack(2)
+    backend = fxsplit.Backend(
+        compile_pieces="inductor", compile_sizes=[4], cache_dir=str(cache_root), capture="emulate"
+    )
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for n in (3, 4, 3, 4, 4, 5):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)
+    pieces = backend.compiled[0].materialised.pieces
+    forward = pieces[0].forward
+    assert isinstance(forward, inductor.InductorPiece)
+    assert set(forward.sized) == {4} and forward.sized[4] is not forward.artifact
+
+
+def test_bad_compile_sizes_are_rejected():
+    with pytest.raises(ValueError, match="compile_sizes holds -1"):
+        fxsplit.Backend(compile_sizes=[-1])
+    assert fxsplit.Backend(compile_sizes=[]).config.compile_sizes == ()

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import sympy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
@@ -75,21 +76,29 @@ class InductorPiece:
     structure (one value as is, several as a tuple).
 
     Attributes:
-        artifact: the compiled callable (returns a list of outputs).
+        artifact: the compiled callable (returns a list of outputs), symbolic in the sizes.
         eager: the piece's generated Python (capture-legality checks run it, see
             :mod:`fxsplit.runtime.captured`).
+        size_arg / sized: with ``compile_sizes``, the argument carrying the token count (a
+            tensor's leading dim, or the size itself) and the artifact compiled for each size.
     """
 
-    __slots__ = ("artifact", "eager", "name", "single")
+    __slots__ = ("artifact", "eager", "name", "single", "size_arg", "sized")
 
-    def __init__(self, artifact, eager, single: bool, name: str) -> None:
+    def __init__(self, artifact, eager, single: bool, name: str, size_arg=None, sized=None):
         self.artifact = artifact
         self.eager = eager
         self.single = single
         self.name = name
+        self.size_arg = size_arg
+        self.sized = sized
 
     def __call__(self, *args):
-        out = emulator.call_opaque(self.artifact, args)
+        artifact = self.artifact
+        if self.sized:
+            size = args[self.size_arg]
+            artifact = self.sized.get(size if type(size) is int else size.shape[0], artifact)
+        out = emulator.call_opaque(artifact, args)
         return out[0] if self.single else tuple(out)
 
     def __repr__(self) -> str:
@@ -111,7 +120,12 @@ def forget() -> None:
 
 
 def compile_pieces(
-    split, device: torch.device | None, cache_root: Path, grad_at_entry: bool
+    split,
+    device: torch.device | None,
+    cache_root: Path,
+    grad_at_entry: bool,
+    size: object = None,
+    sizes: tuple[int, ...] = (),
 ) -> list[CompiledPiece]:
     """Compile every distinct captured piece of ``split`` and make its pieces run the result.
 
@@ -123,6 +137,9 @@ def compile_pieces(
         device: the graph's CUDA device, or None (CPU).
         cache_root: the cache folder (:func:`fxsplit.cache.cache_dir`).
         grad_at_entry: grad mode when the graph is called.
+        size: the token count as Dynamo traced it (the leading dim of the size input: a SymInt
+            when dynamic), for ``sizes``.
+        sizes: the ``compile_sizes`` option: token counts that get a compile of their own.
 
     Returns:
         one :class:`CompiledPiece` per distinct captured piece, in graph order.
@@ -150,18 +167,22 @@ def compile_pieces(
         if result[0] == "eager":
             continue
         artifact = _MEMORY[result[-1]]
+        size_arg, sized = _specialise(piece_gm, examples, layouts, kind, disk, size, sizes)
         for i in members:
             module = split.materialised.pieces[i]
             single = len(module.output_names) == 1
-            module.forward = InductorPiece(artifact, module.forward, single, module.name)
+            module.forward = InductorPiece(
+                artifact, module.forward, single, module.name, size_arg, sized
+            )
     for record in results:
         if record.outcome == "eager":
             log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
     return results
 
 
-def _compile(piece_gm, examples, key: str, disk: cache.PieceCache):
-    """(outcome, seconds, reason, output_code, key) for one distinct piece."""
+def _compile(piece_gm, examples, key: str, disk: cache.PieceCache, dynamic: str | None = None):
+    """(outcome, seconds, reason, output_code, key) for one distinct piece; ``dynamic`` is
+    standalone_compile's ``dynamic_shapes`` (default: Dynamo's symbolic sizes)."""
     start = time.perf_counter()
     if key in _MEMORY:
         counters.totals["piece_cache_hits"] += 1
@@ -177,7 +198,9 @@ def _compile(piece_gm, examples, key: str, disk: cache.PieceCache):
         return "disk", time.perf_counter() - start, None, None, key
     from torch._inductor import standalone_compile
 
-    dynamic = "from_tracing_context" if torch._guards.TracingContext.try_get() else "from_graph"
+    if dynamic is None:
+        context = torch._guards.TracingContext.try_get()
+        dynamic = "from_tracing_context" if context is not None else "from_graph"
     try:
         with _output_code() as code, torch.no_grad():
             artifact = standalone_compile(
@@ -199,6 +222,63 @@ def _compile(piece_gm, examples, key: str, disk: cache.PieceCache):
     disk.save(key, artifact)
     counters.totals["pieces_compiled"] += 1
     return "compiled", time.perf_counter() - start, None, "\n\n".join(code) or None, key
+
+
+def _specialise(piece_gm, examples, layouts, kind: str, disk, size, sizes):
+    """(argument index, {size: artifact}) for the ``compile_sizes`` of one piece: compiled on
+    concrete inputs, the token count at each size, other sizes at their traced values."""
+    if not sizes or not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
+        return None, None
+    symbol = size.node.expr
+    size_arg = next(
+        (
+            k
+            for k, value in enumerate(examples)
+            if (isinstance(value, torch.SymInt) and value.node.expr == symbol)
+            or (
+                isinstance(value, torch.Tensor)
+                and value.dim() > 0
+                and isinstance(value.shape[0], torch.SymInt)
+                and value.shape[0].node.expr == symbol
+            )
+        ),
+        None,
+    )
+    shared = any(isinstance(lay, tuple) and lay[-1] != k for k, lay in enumerate(layouts))
+    if size_arg is None or shared:  # no token count here, or inputs sharing storage
+        return None, None
+    sized = {}
+    for n in sizes:
+        concrete = [_at(value, symbol, n) for value in examples]
+        key = cache.key(piece_gm.code, (layouts, n), kind)
+        outcome = _compile(piece_gm, concrete, key, disk, dynamic="from_example_inputs")
+        if outcome[0] != "eager":
+            sized[n] = _MEMORY[key]
+    return size_arg, sized
+
+
+def _at(value, symbol, n: int):
+    """A concrete stand-in for an example value: ``symbol`` at ``n``, other symbols at their
+    traced values (zeros for tensors: only layouts matter to a compile)."""
+
+    def concrete(dim):
+        if not isinstance(dim, torch.SymInt):
+            return dim
+        env = dim.node.shape_env
+        hints = getattr(env, "backed_var_to_val", None) or env.var_to_val  # renamed in 2.13
+        return int(
+            sympy.sympify(dim.node.expr).xreplace({symbol: sympy.Integer(n)}).xreplace(hints)
+        )
+
+    if isinstance(value, torch.Tensor):
+        shape = [concrete(d) for d in value.shape]
+        stride = [concrete(d) for d in value.stride()]
+        return torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device).zero_()
+    if isinstance(value, torch.SymInt):
+        return concrete(value)
+    if isinstance(value, (torch.SymFloat, torch.SymBool)):
+        return value.node.hint
+    return value
 
 
 def _not_compiled(split, i: int, nodes: dict[str, Node], grad_at_entry: bool) -> str | None:

@@ -188,7 +188,7 @@ class GraphRuntime:
             if isinstance(value, torch.Tensor) and i not in self._params
         ]
         self._param_ptrs: tuple | None = None
-        self._size_index = _size_input(
+        self._size_index = size_input_index(
             self._placeholders,
             example_inputs,
             self._params,
@@ -404,11 +404,13 @@ class GraphRuntime:
         return dropped
 
 
-def _size_input(placeholders, example_inputs, params, arg_names, size_input) -> int | None:
+def size_input_index(
+    placeholders, example_inputs, params, arg_names, size_input, warn: bool = True
+) -> int | None:
     """Index of the graph input whose leading dim is the token count: the first tensor argument
     of the compiled frame in its signature's order (Dynamo orders graph inputs by first use, so
     a model that reads ``block_table`` first would key on the number of sequences), or the
-    argument named by ``size_input``."""
+    argument named by ``size_input`` (a name matching none warns, where ``warn``)."""
     candidates = [
         i
         for i, value in enumerate(example_inputs)
@@ -421,6 +423,7 @@ def _size_input(placeholders, example_inputs, params, arg_names, size_input) -> 
         for i in candidates:
             if names[i] == size_input:
                 return i
+    if size_input is not None and warn:
         warnings.warn(
             f"fxsplit: size_input={size_input!r} names no tensor argument of this graph "
             f"(tensor arguments: {', '.join(sorted(n for n in names.values() if n)) or 'none'}); "
