@@ -9,6 +9,8 @@ the trace files and ``tlparse`` lists them with the compile id of the Dynamo fra
 - ``fxsplit_<graph_id>_<piece>`` (encoding ``string``): each piece's generated source with a
   header naming its kind, regions and reasons;
 - ``fxsplit_<graph_id>_stitched`` (encoding ``string``): the stitched top-level code.
+- ``fxsplit_<graph_id>_compiled`` (encoding ``json``, with Inductor pieces): the dump's
+  ``compiled.json``; Inductor traces each piece it compiles under its own artifact names.
 
 Without ``TORCH_TRACE`` the calls cost a handler check: payloads are built lazily.
 
@@ -61,7 +63,7 @@ def emit_plan(split) -> None:
 
     Never raises for a missing trace handler: without ``TORCH_TRACE`` nothing is built or written.
     """
-    from fxsplit.tools.dump import dumps_json, piece_source, plan_dict
+    from fxsplit.tools.dump import compiled_dict, dumps_json, piece_source, plan_dict
 
     trace_structured = torch._logging.trace_structured
     graph_id = split.plan.graph_id
@@ -84,6 +86,12 @@ def emit_plan(split) -> None:
         metadata_fn=lambda: {"name": f"fxsplit_{graph_id}_stitched", "encoding": "string"},
         payload_fn=lambda: split.materialised.stitched.code,
     )
+    if split.compiled_pieces is not None:  # Inductor traces each compile's own artifacts
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": f"fxsplit_{graph_id}_compiled", "encoding": "json"},
+            payload_fn=lambda: dumps_json(compiled_dict(split.compiled_pieces)),
+        )
 
 
 register_log()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -213,3 +214,17 @@ def test_bad_compile_sizes_are_rejected():
     with pytest.raises(ValueError, match="compile_sizes holds -1"):
         fxsplit.Backend(compile_sizes=[-1])
     assert fxsplit.Backend(compile_sizes=[]).config.compile_sizes == ()
+
+
+def test_dump_lists_compiled_pieces_and_their_code(cache_root, tmp_path):
+    inductor.forget()  # compiled in this process, so Inductor's code is at hand
+    _run(Stack(), cache_root, sizes=(3,), dump_dir=str(tmp_path))
+    (folder,) = tmp_path.iterdir()
+    records = json.loads((folder / "compiled.json").read_text())
+    assert [r["pieces"] for r in records] == [["piece_0"], ["piece_2", "piece_4"], ["piece_6"]]
+    assert "same code: piece_1 = piece_3 = piece_5" in (folder / "plan.txt").read_text()
+    report = (folder / "report.html").read_text()
+    assert "Compiled pieces" in report and "piece_2 = piece_4" in report
+    for record in records:
+        if record["outcome"] == "compiled" and record["code_file"]:
+            assert (folder / record["code_file"]).read_text()
