@@ -44,3 +44,12 @@ def test_demo_tp_below_one_is_a_usage_error(capsys):
 
     assert cli.main(["demo", "--tp", "0"]) == 2
     assert "--tp 0: needs N >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_demo_decode_with_inductor_pieces_is_within_tolerance(runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("FXSPLIT_CACHE_DIR", str(tmp_path))
+    out = io.StringIO()
+    assert demo._deepseek(Console(file=out, width=80), runner, "inductor")
+    assert "NO" not in out.getvalue()
+    assert fxsplit.counters.snapshot()["replays"] > 0
