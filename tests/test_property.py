@@ -661,9 +661,9 @@ def run_case(case: Case) -> fxsplit.Backend:
                     # this step's replay overwrote it (README, "Output lifetime")
                     continue
                 assert _same(e, g, exact), f"step {step} (batch {b}): output {i} differs\n{e}\n{g}"
-            assert torch.equal(xe, xc), f"step {step} (batch {b}): input x differs"
+            assert _same(xe, xc, exact), f"step {step} (batch {b}): input x differs"
             if not fed:  # a fed-back output may be overwritten by this step's replay (documented)
-                assert torch.equal(ye, yc), f"step {step} (batch {b}): input y differs"
+                assert _same(ye, yc, exact), f"step {step} (batch {b}): input y differs"
                 held.append((yc, yc.clone()))
             held.append((xc, xc.clone()))
     return backend
