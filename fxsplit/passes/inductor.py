@@ -150,7 +150,8 @@ def compile_pieces(
     for i, (part, module) in enumerate(zip(split.parts, split.materialised.pieces, strict=True)):
         if part.kind == partition.CAPTURED:
             examples = [nodes[name].meta.get("example_value") for name in module.input_names]
-            groups.setdefault((module.shared_code, _layouts(examples)), []).append(i)
+            layouts = (_layouts(examples), _assumptions(examples))
+            groups.setdefault((module.shared_code, layouts), []).append(i)
     disk = cache.PieceCache(cache_root)
     kind = cache.device_kind(device)
     results = []
@@ -244,7 +245,7 @@ def _specialise(piece_gm, examples, layouts, kind: str, disk, size, sizes):
         ),
         None,
     )
-    shared = any(isinstance(lay, tuple) and lay[-1] != k for k, lay in enumerate(layouts))
+    shared = any(isinstance(lay, tuple) and lay[-1] != k for k, lay in enumerate(layouts[0]))
     if size_arg is None or shared:  # no token count here, or inputs sharing storage
         return None, None
     sized = {}
@@ -359,6 +360,28 @@ def _layouts(examples) -> tuple:
         else:
             out.append(type(value).__name__)
     return tuple(out)
+
+
+def _assumptions(examples) -> tuple[str, ...]:
+    """What Dynamo's shape environment knows about the sizes of ``examples`` (its guards and
+    value ranges on their symbols): Inductor may simplify with it, so an artifact is shared,
+    and found in the cache, only where it is the same."""
+    symbols, shape_env = set(), None
+    for value in examples:
+        dims = ()
+        if isinstance(value, torch.Tensor):
+            dims = (*value.shape, *value.stride(), value.storage_offset())
+        elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            dims = (value,)
+        for dim in dims:
+            if isinstance(dim, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                symbols |= dim.node.expr.free_symbols
+                shape_env = dim.node.shape_env
+    if shape_env is None:
+        return ()
+    guards = sorted(str(g.expr) for g in shape_env.guards if g.expr.free_symbols & symbols)
+    ranges = [f"{s}:{shape_env.var_to_range.get(s)}" for s in sorted(symbols, key=str)]
+    return (*guards, *ranges)
 
 
 def _progress(items, graph_id: str):
