@@ -223,8 +223,8 @@ class Backend:
 
     def capture(self, model, inputs_by_size) -> None:
         """Capture every size up front: calls ``model(*inputs)`` for each size, largest first,
-        ``warmup_runs + 1`` times, under one capture session (garbage collected once, collector
-        frozen throughout) with a tqdm progress bar.
+        ``max(warmup_runs, 1) + 1`` times, under one capture session (garbage collected once,
+        collector frozen throughout) with a tqdm progress bar.
 
         The leading dimension of every tensor argument whose size equals the capture size is
         marked dynamic first (``torch._dynamo.maybe_mark_dynamic``), so all sizes share one graph:
@@ -238,7 +238,7 @@ class Backend:
         from tqdm import tqdm
 
         sizes = sorted(inputs_by_size, reverse=True)
-        runs = max(self.config.warmup_runs, 0) + 1
+        runs = max(self.config.warmup_runs, 1) + 1  # compiled pieces warm up once on CUDA
         for size in sizes:
             for arg in inputs_by_size[size]:
                 if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == size:

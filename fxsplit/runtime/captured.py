@@ -107,6 +107,10 @@ class CapturedPiece(torch.nn.Module):
         # A compiled piece's kernels are invisible to the emulator: its legality is checked on
         # the piece's generated Python, whose ops the emulator sees.
         self.check_uncompiled = getattr(piece.forward, "eager", None)
+        # Triton compiles and autotunes a kernel on its first launch, which a CUDA capture
+        # would record as a failure: a compiled piece runs once before it is captured.
+        compiled = self.check_uncompiled is not None and runtime.mode == "cuda"
+        self.min_warmups = max(runtime.warmup_runs, 1 if compiled else 0)
         self.specs = specs
         self.aliasing = aliasing
         self.regions = frozenset(plan_piece.regions)
@@ -230,7 +234,7 @@ class CapturedPiece(torch.nn.Module):
     def _miss(self, key, inputs):
         runtime = self.runtime
         done = self.warmups.get(key, 0)
-        if done < runtime.warmup_runs:
+        if done < self.min_warmups:
             self.warmups[key] = done + 1
             return self._uncaptured(inputs, key)
         if len(self.entries) >= runtime.max_captured_keys:
