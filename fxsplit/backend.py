@@ -102,12 +102,14 @@ class Backend:
         graph_code = gm.code if dump_root else ""  # the split edits the graph in place
         runner = config.runner_policy
         policy = Policy.build(
-            runner, config.splitting_ops, config.module_regions, config.eager_modules
+            runner,
+            config.splitting_ops,
+            config.module_regions,
+            config.eager_modules,
+            config.active_presets,
         )
         frame = _frame()
-        root = frame.root if frame is not None else None
-        policy.module_regions.set_root(root)
-        policy.eager_modules.set_root(root)
+        policy.set_root(frame.root if frame is not None else None)
         # The split allocates many small objects while a large graph is alive; cyclic GC passes
         # over that graph would dominate its cost.
         gc_was_enabled = gc.isenabled()
