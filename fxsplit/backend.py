@@ -7,6 +7,8 @@ import dataclasses
 import difflib
 import gc
 import logging
+import os
+import sys
 import threading
 import warnings
 import weakref
@@ -167,7 +169,7 @@ class Backend:
         if runtime is not None:
             return runtime
         stitched = result.materialised.stitched
-        if config.binding == "strict" and not (frame is not None and frame.resumed):
+        if config.binding == "strict" and not (frame is not None and frame.model_values):
             placeholders = list(stitched.graph.find_nodes(op="placeholder"))
             return StrictInputs(
                 stitched.forward, placeholders, graph_id, config.warmup_runs, self._session
@@ -304,7 +306,39 @@ def _frame() -> Frame | None:
     # Dynamo names the functions that resume a frame after a graph break this way.
     resumed = code.co_name.startswith("torch_dynamo_resume_in_")
     root = type(receiver) if isinstance(receiver, torch.nn.Module) else None
-    return Frame(tuple(code.co_varnames[:count]), resumed, root)
+    return Frame(tuple(code.co_varnames[:count]), resumed, root, _called_by_eager_code())
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DYNAMO_DIR = os.path.join(_TORCH_DIR, "_dynamo") + os.sep
+_ENTRY = os.path.join(_DYNAMO_DIR, "eval_frame.py")
+
+
+def _called_by_eager_code() -> bool:
+    """Whether the frame Dynamo is compiling was called by code outside torch running eagerly.
+
+    The Python stack at compile time holds the callers of that frame: from the outside in, the
+    ``torch.compile`` wrapper (``torch/_dynamo/eval_frame.py``), the callers of the compiled
+    frame, then Dynamo's own frames. For the frame the caller entered through, the callers in
+    between are torch's (``nn.Module.__call__``); for a frame Dynamo compiles inside a frame it
+    gave up on (a graph break, a recompile limit), model code runs eagerly in between.
+    """
+    stack = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        stack.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    stack.reverse()  # outermost first
+    entry = None
+    for i, filename in enumerate(stack):
+        if filename == _ENTRY:
+            entry = i
+        elif filename.startswith(_DYNAMO_DIR):
+            break
+    else:
+        return False
+    callers = stack[entry + 1 : i] if entry is not None else []
+    return any(not f.startswith(_TORCH_DIR) for f in callers)
 
 
 def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | None]:

@@ -118,11 +118,21 @@ class Frame:
         resumed: a frame Dynamo resumes after a graph break: its arguments are the live values
             of the model at the break, not tensors the caller handed in.
         root: the class of the ``nn.Module`` whose method the frame runs, if any.
+        nested: a frame called by model code that runs eagerly (Dynamo gave up on an enclosing
+            frame: a graph break, a recompile limit): its arguments were computed by the model,
+            not handed in by the caller.
     """
 
     arg_names: tuple[str, ...]
     resumed: bool = False
     root: type | None = None
+    nested: bool = False
+
+    @property
+    def model_values(self) -> bool:
+        """Its tensor arguments are the model's own values (resumed or nested), fxsplit's to
+        copy under every binding."""
+        return self.resumed or self.nested
 
 
 class GraphRuntime:
@@ -193,7 +203,7 @@ class GraphRuntime:
             frame.arg_names if frame is not None else None,
             config.size_input,
         )
-        self._resumed = frame is not None and frame.resumed
+        self._resumed = frame is not None and frame.model_values
         self._stitched = stitched
         self.pieces = self._install()
         self._forward = stitched.forward
