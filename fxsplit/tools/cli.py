@@ -160,13 +160,32 @@ def _diff(args) -> int:
     return 0
 
 
+def _demo(args) -> int:
+    from fxsplit.models import hf_architectures
+    from fxsplit.tools import demo
+
+    if args.model is not None:
+        try:
+            hf_architectures.tiny_config(args.model)
+        except (ValueError, ImportError) as error:
+            raise UsageError(str(error)) from None
+    return demo.run(args.model)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fxsplit``; returns the exit status (2: bad command line)."""
     parser = argparse.ArgumentParser(prog="fxsplit", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fxsplit {fxsplit.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo_help = "compile the reference models under runners v1 and v2 and compare with eager"
-    commands.add_parser("demo", help=demo_help, description=demo_help)
+    demo = commands.add_parser("demo", help=demo_help, description=demo_help)
+    demo.add_argument(
+        "--model",
+        default=None,
+        metavar="ARCHITECTURE",
+        help="run one Hugging Face architecture instead (tiny config, prefill + decode), e.g. "
+        "Qwen2MoeForCausalLM",
+    )
     factory_help = "MODULE:FACTORY; FACTORY() returns (model, example_inputs)"
     options_help = 'fxsplit options as a JSON object, e.g. \'{"splitting_ops": ["aten::topk"]}\''
     dump_help = "plan a model without capturing, print the plan, write one dump folder per graph"
@@ -186,11 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         "--summary", action="store_true", help="only pieces and moves by region, no node table"
     )
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from fxsplit.tools import demo
-
-        return demo.run()
     try:
+        if args.command == "demo":
+            return _demo(args)
         if args.command == "dump":
             return _dump(args)
         if args.command == "diff":

@@ -7,11 +7,16 @@
 2. Why v1 wants the wide eager region: under v1 (fresh metadata tensors each step) the narrow plan
    (attention input preparation captured) is correct only because ``input_binding="copy"``
    copies the metadata into static buffers every step; the wide plan copies no metadata.
-3. Hugging Face transformers' own ``DeepseekV4ForCausalLM`` (tiny config, random weights) with
-   its indexer marked ``sparse_indexer`` and its rotary embeddings ``attn_prep`` (see
-   :data:`HF_REGIONS`) under both runners, capture emulated (or CUDA), captured pieces on both
-   sides of the indexer; prefill logits against eager for several sequence lengths. Skipped, with
-   the install command, where transformers is missing.
+3. Hugging Face transformers' own ``DeepseekV4ForCausalLM`` (tiny config, random weights),
+   marked by nothing but fxsplit's built-in presets (:mod:`fxsplit.presets`: its indexer is
+   ``sparse_indexer``, its rotary embeddings ``attn_prep``, so the v1 and v2 plans differ) under
+   both runners, capture emulated (or CUDA), captured pieces on both sides of the indexer;
+   prefill logits against eager for several sequence lengths. Skipped, with the install
+   command, where transformers is missing.
+
+``fxsplit demo --model <Architecture>`` runs instead one transformers architecture of
+:mod:`fxsplit.models.hf_architectures` (tiny config, prefill and decode steps with a KV cache)
+under its default runner and the other one, and compares every step's logits with eager.
 
 Tables fold long cells instead of cutting them, so the output reads at 80 columns.
 
@@ -26,17 +31,11 @@ from rich.console import Console
 from rich.table import Table
 
 import fxsplit
-from fxsplit.models import deepseek_v4, hf_deepseek_v4
+from fxsplit.models import deepseek_v4, hf_architectures, hf_deepseek_v4
+from fxsplit.tools import coverage
 from fxsplit.tools.dump import graph_title, plan_table
 
 STEPS = (4, 4, 3, 4, 5, 3, 2, 4, 6, 4)
-# transformers marks no region: the indexer is the DSA piece an engine keeps eager, and the
-# rotary embeddings (cos/sin from positions) are attention input preparation, eager under v1
-# and captured under v2, so the two runners' plans differ.
-HF_REGIONS = {
-    **hf_deepseek_v4.MODULE_REGIONS,
-    "DeepseekV4RotaryEmbedding": fxsplit.ATTN_PREP,
-}
 PREFILL_LENGTHS = (5, 8, 13)
 METADATA = ("positions", "slot_mapping", "block_table", "seq_lens")
 
@@ -148,9 +147,9 @@ def _hf(console: Console, runner: str) -> bool:
         model, args = hf_deepseek_v4.example(seq_len=seq_len)
         model = model.to(device)
         args = tuple(a.to(device) for a in args)
-        backend = fxsplit.Backend(
-            runner=runner, capture=mode, warmup_runs=0, module_regions=HF_REGIONS
-        )
+        # transformers marks no region: the built-in presets find the indexer and the rotary
+        # embeddings (attention input preparation: eager under v1, captured under v2).
+        backend = fxsplit.Backend(runner=runner, capture=mode, warmup_runs=0)
         compiled = torch.compile(model, backend=backend)
         with torch.no_grad():
             want = model(*args)
@@ -172,11 +171,44 @@ def _hf(console: Console, runner: str) -> bool:
     return ok
 
 
-def run() -> int:
-    """Run the demo; returns the process exit status (0 when every comparison matched)."""
+def _model(console: Console, architecture: str) -> bool:
+    """One transformers architecture under its default runner and the other one."""
+    mode, device = _capture_mode()
+    first = fxsplit.runners.default_runner(architecture)
+    table = Table(title=f"{architecture}: prefill + decode with a KV cache, {mode}")
+    for column in ("runner", "step", "tokens", "max diff", "ok"):
+        table.add_column(column, justify="right", overflow="fold")
+    ok = True
+    for runner in (first, "v2" if first == "v1" else "v1"):
+        result = coverage.check(architecture, runner, capture=mode, device=device)
+        for plan in result.plans:
+            console.print(plan_table(plan, f"{architecture} {graph_title(plan)}"))
+        for step, diff in enumerate(result.diffs):
+            good = diff == 0.0 if device == "cpu" else diff <= 1e-4
+            ok &= good
+            tokens = hf_architectures.PREFILL_LEN if step == 0 else 1
+            label = "prefill" if step == 0 else f"decode {step}"
+            table.add_row(runner, label, str(tokens), f"{diff:.3g}", "yes" if good else "NO")
+    console.print(table)
+    return ok
+
+
+def run(model: str | None = None) -> int:
+    """Run the demo, or with ``model`` (an architecture name of
+    :mod:`fxsplit.models.hf_architectures`) that architecture only; returns the process exit
+    status (0 when every comparison matched).
+
+    Raises:
+        ValueError: an unknown architecture (the message lists the known ones).
+        ImportError: ``model`` given and transformers missing or lacking it.
+    """
     console = Console()
     mode, device = _capture_mode()
     console.print(f"capture: {mode} on {device}; torch {torch.__version__}")
+    if model is not None:
+        ok = _model(console, model)
+        console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")
+        return 0 if ok else 1
     console.print(
         "Per step: captures and replays of captured pieces, uncaptured runs (warm-up, sizes "
         "first seen), input copies (values copied into fxsplit's static buffers).",
