@@ -48,8 +48,17 @@ class Result:
 
     @property
     def eager_regions(self) -> list[str]:
-        """Regions of the eager pieces of all graphs, sorted."""
-        return sorted({r for p in self.plans for piece in p.eager for r in piece.regions})
+        """Regions that made nodes eager in any graph (their ``region:<name>`` reasons), sorted.
+        A region nested in an eager one without being eager itself is not counted."""
+        return sorted(
+            {
+                reason.partition(":")[2]
+                for p in self.plans
+                for piece in p.eager
+                for reason in piece.reasons
+                if reason.startswith("region:")
+            }
+        )
 
     @property
     def other_reasons(self) -> list[str]:
