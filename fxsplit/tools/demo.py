@@ -44,10 +44,14 @@ def _capture_mode() -> tuple[str, str]:
     return ("cuda", "cuda") if torch.cuda.is_available() else ("emulate", "cpu")
 
 
+def _close(diff: float, device: str) -> bool:
+    # Bitwise on CPU; on CUDA, replayed kernels may be chosen differently from eager ones.
+    return diff == 0.0 if device == "cpu" else diff <= 1e-4
+
+
 def _equal(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
     diff = (got.float() - want.float()).abs().max().item()
-    # Bitwise on CPU; on CUDA, replayed kernels may be chosen differently from eager ones.
-    return (diff == 0.0 if got.device.type == "cpu" else diff <= 1e-4), diff
+    return _close(diff, got.device.type), diff
 
 
 def _metadata_copies(backend: fxsplit.Backend) -> int:
@@ -174,7 +178,8 @@ def _hf(console: Console, runner: str) -> bool:
 def _model(console: Console, architecture: str) -> bool:
     """One transformers architecture under its default runner and the other one."""
     mode, device = _capture_mode()
-    first = fxsplit.runners.default_runner(architecture)
+    listed = hf_architectures.ARCHITECTURES[architecture].stands_for or architecture
+    first = fxsplit.runners.default_runner(listed)
     table = Table(title=f"{architecture}: prefill + decode with a KV cache, {mode}")
     for column in ("runner", "step", "tokens", "max diff", "ok"):
         table.add_column(column, justify="right", overflow="fold")
@@ -184,7 +189,7 @@ def _model(console: Console, architecture: str) -> bool:
         for plan in result.plans:
             console.print(plan_table(plan, f"{architecture} {graph_title(plan)}"))
         for step, diff in enumerate(result.diffs):
-            good = diff == 0.0 if device == "cpu" else diff <= 1e-4
+            good = _close(diff, device)
             ok &= good
             tokens = hf_architectures.PREFILL_LEN if step == 0 else 1
             label = "prefill" if step == 0 else f"decode {step}"
