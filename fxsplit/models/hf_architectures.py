@@ -11,12 +11,15 @@ Choices that apply to all of them (see :func:`tiny_config`):
 
 - ``attn_implementation="sdpa"`` (transformers' default where the model supports it): attention
   is one ``scaled_dot_product_attention`` call per layer, which :mod:`fxsplit.presets` puts in
-  region ``attention``. GPT-OSS has no sdpa path (attention sinks) and uses ``"flex_attention"``;
-  DeepSeek-V4 supports only ``"eager"`` (its attention is plain matmul + softmax, which no op
-  preset can tell from other matmuls).
+  region ``attention``. GPT-OSS has no sdpa path (attention sinks) and its flex-attention path
+  refuses sinks on CPU, so it runs ``"eager"``; DeepSeek-V4 supports only ``"eager"``. Eager
+  attention is plain matmul + softmax, which no op preset can tell from other matmuls.
 - ``experts_implementation="batched_mm"`` for MoE models: dense gather + bmm, traceable with no
   custom op and no host sync (the default ``"grouped_mm"`` is an opaque custom op on CPU, and
-  ``"eager"`` loops over ``nonzero()``).
+  ``"eager"`` loops over ``nonzero()``). LongcatFlash's experts ignore it and loop.
+- LongcatFlash has 1 layer (holding two attention blocks) with 2 routed experts and 1 zero
+  expert; DeepSeek-V4 is :func:`fxsplit.models.hf_deepseek_v4.tiny_config` (3 layers) with the
+  cache on.
 
 Architectures listed in :data:`fxsplit.runners.V2_ARCHITECTURES` that transformers does not ship
 are in :data:`NOT_SHIPPED`, with the shipped relative used in their place where one exists.
