@@ -7,7 +7,7 @@ runs the remaining pieces captured.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from fxsplit import counters, runners
+from fxsplit import counters, presets, runners
 from fxsplit.backend import Backend, plans
 from fxsplit.config import Config
 from fxsplit.distributed import RankMismatchError
@@ -38,6 +38,7 @@ __all__ = [
     "counters",
     "explain",
     "plans",
+    "presets",
     "region",
     "runners",
 ]

@@ -6,6 +6,8 @@ import atexit
 import dataclasses
 import gc
 import logging
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -103,12 +105,14 @@ class Backend:
         graph_code = gm.code if dump_root else ""  # the split edits the graph in place
         runner = config.runner_policy
         policy = Policy.build(
-            runner, config.splitting_ops, config.module_regions, config.eager_modules
+            runner,
+            config.splitting_ops,
+            config.module_regions,
+            config.eager_modules,
+            config.active_presets,
         )
         frame = _frame()
-        root = frame.root if frame is not None else None
-        policy.module_regions.set_root(root)
-        policy.eager_modules.set_root(root)
+        policy.set_root(frame.root if frame is not None else None)
         # The split allocates many small objects while a large graph is alive; cyclic GC passes
         # over that graph would dominate its cost.
         gc_was_enabled = gc.isenabled()
@@ -193,7 +197,7 @@ class Backend:
 
     def _uncaptured(self, result: Split, config: Config, frame: Frame | None) -> Callable:
         stitched = result.materialised.stitched
-        if config.binding == "strict" and not (frame is not None and frame.resumed):
+        if config.binding == "strict" and not (frame is not None and frame.model_values):
             placeholders = list(stitched.graph.find_nodes(op="placeholder"))
             return StrictInputs(
                 stitched.forward,
@@ -288,7 +292,7 @@ def _frame() -> Frame | None:
     name = root.__name__ if root is not None else code.co_name
     if resumed:  # torch_dynamo_resume_in_<function>_at_<line>
         name = root.__name__ if root is not None else name.split("_in_", 1)[1].rsplit("_at_")[0]
-    return Frame(tuple(code.co_varnames[:count]), resumed, root, name)
+    return Frame(tuple(code.co_varnames[:count]), resumed, root, name, _called_by_eager_code())
 
 
 def _traced_size(result: Split, example_inputs, frame: Frame | None, config: Config):
@@ -312,6 +316,38 @@ def _cuda_device(example_inputs) -> torch.device | None:
     """The CUDA/HIP device of the graph's first tensor on one, or None."""
     tensors = (x for x in example_inputs if isinstance(x, torch.Tensor))
     return next((x.device for x in tensors if x.device.type == "cuda"), None)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DYNAMO_DIR = os.path.join(_TORCH_DIR, "_dynamo") + os.sep
+_ENTRY = os.path.join(_DYNAMO_DIR, "eval_frame.py")
+
+
+def _called_by_eager_code() -> bool:
+    """Whether the frame Dynamo is compiling was called by code outside torch running eagerly.
+
+    The Python stack at compile time holds the callers of that frame: from the outside in, the
+    ``torch.compile`` wrapper (``torch/_dynamo/eval_frame.py``), the callers of the compiled
+    frame, then Dynamo's own frames. For the frame the caller entered through, the callers in
+    between are torch's (``nn.Module.__call__``); for a frame Dynamo compiles inside a frame it
+    gave up on (a graph break, a recompile limit), model code runs eagerly in between.
+    """
+    stack = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        stack.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    stack.reverse()  # outermost first
+    entry = None
+    for i, filename in enumerate(stack):
+        if filename == _ENTRY:
+            entry = i
+        elif filename.startswith(_DYNAMO_DIR):
+            break
+    else:
+        return False
+    callers = stack[entry + 1 : i] if entry is not None else []
+    return any(not f.startswith(_TORCH_DIR) for f in callers)
 
 
 def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | None]:

@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxsplit import runners
+from fxsplit import presets, runners
+from fxsplit.presets import Preset
 from fxsplit.runners import Runner
 
 CAPTURE_MODES = ("auto", "cuda", "emulate", "off")
@@ -28,6 +29,11 @@ class Config:
         splitting_ops: op names ``"ns::op"`` or ``"ns::op.overload"`` that always run eagerly.
         module_regions: module class name or qualified module-path glob -> region name.
         eager_modules: module class names or path globs whose nodes always run eagerly.
+        presets: built-in region presets (:mod:`fxsplit.presets`: attention ops, rotary
+            embeddings, sparse indexers): ``True`` applies them, ``False`` none; a
+            :class:`~fxsplit.presets.Preset`, a list of them or a dict ``{name: Preset or
+            {"region", "ops", "modules"}}`` extends them (replacing a built-in of the same name).
+            Held as ``True``, ``False`` or the tuple of added presets.
         capture: ``"auto"`` (CUDA/HIP graphs when the graph's tensors are on a CUDA device, else
             off), ``"cuda"``, ``"emulate"`` (the CPU capture emulator) or ``"off"``.
         capture_sizes: token counts to capture: the leading dim of the first tensor argument
@@ -62,6 +68,7 @@ class Config:
     splitting_ops: tuple[str, ...] = ()
     module_regions: Mapping[str, str] = field(default_factory=dict)
     eager_modules: tuple[str, ...] = ()
+    presets: bool | tuple[Preset, ...] = True
     capture: str = "auto"
     capture_sizes: tuple[int, ...] | None = None
     size_input: str | None = None
@@ -108,6 +115,11 @@ class Config:
         if self.eager_regions is not None:
             runner = dataclasses.replace(runner, eager_regions=self.eager_regions)
         return runner
+
+    @property
+    def active_presets(self) -> tuple[Preset, ...]:
+        """The presets the mark pass matches (see :func:`fxsplit.presets.resolve`)."""
+        return presets.resolve(self.presets)
 
     @property
     def binding(self) -> str:
@@ -259,6 +271,7 @@ _VALIDATORS = {
     "splitting_ops": _splitting_ops,
     "module_regions": _module_regions,
     "eager_modules": _strings,
+    "presets": presets.from_option,
     "capture": _choice(CAPTURE_MODES),
     "capture_sizes": _optional(_capture_sizes),
     "size_input": _optional(_identifier),

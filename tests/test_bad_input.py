@@ -26,6 +26,7 @@ VALID_KEYS = [
     "splitting_ops",
     "module_regions",
     "eager_modules",
+    "presets",
     "capture",
     "capture_sizes",
     "size_input",

@@ -53,3 +53,37 @@ def test_demo_decode_with_inductor_pieces_is_within_tolerance(runner, tmp_path, 
     assert demo._deepseek(Console(file=out, width=80), runner, "inductor")
     assert "NO" not in out.getvalue()
     assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+def test_demo_model_unknown_architecture_exits_2_listing_the_known_ones(capsys):
+    from fxsplit.tools.cli import main
+
+    assert main(["demo", "--model", "Nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown architecture 'Nope'" in err and "Qwen2MoeForCausalLM" in err
+
+
+def test_demo_model_not_shipped_names_the_stand_in(capsys):
+    from fxsplit.tools.cli import main
+
+    assert main(["demo", "--model", "LongcatFlashNgramForCausalLM"]) == 2
+    assert "use LongcatFlashForCausalLM" in capsys.readouterr().err
+
+
+def test_demo_model_runs_both_runners_default_first_and_fits_80_columns(monkeypatch, capsys):
+    from fxsplit.tools import coverage
+
+    plans = fxsplit.explain(deepseek_v4.build(), *deepseek_v4.example()[1], runner="v2")
+    ran = []
+
+    def check(architecture, runner, capture, device, compile_pieces):
+        ran.append((architecture, runner, capture))
+        return coverage.Result(architecture, runner, tuple(plans), (0.0, 0.0, 0.0), 1.0)
+
+    monkeypatch.setattr(demo.coverage, "check", check)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert demo.run("Qwen2MoeForCausalLM") == 0
+    assert [r for _, r, _ in ran] == ["v2", "v1"]  # its default runner first
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "decode 2" in out and "all comparisons passed" in out

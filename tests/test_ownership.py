@@ -820,3 +820,36 @@ def test_running_statistics_of_every_batch_norm_form_reach_the_caller(norm):
             assert torch.equal(cf(x, mean, var), f(x, mean_e, var_e)), step
             assert torch.equal(mean, mean_e) and torch.equal(var, var_e), step
     assert _replays() > 0
+
+
+class _Inner(torch.nn.Module):
+    def forward(self, z):
+        return (z * 2).sin()
+
+
+class _EagerCaller(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, x):
+        return self.helper(x + 1)
+
+    @torch.compiler.disable(recursive=False)
+    def helper(self, y):
+        return self.inner(y * 3)  # runs eagerly: a fresh tensor every step
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_v2_frame_called_by_eager_model_code_reads_the_models_fresh_values(capture):
+    """Dynamo compiles ``inner`` as a frame of its own, called by model code it runs eagerly
+    (here a ``torch.compiler.disable(recursive=False)`` helper; in transformers' LongcatFlash a
+    graph break and the recompile limit). Its argument was computed by the model, not handed in
+    by the runner: copied under strict binding, never refused."""
+    model = _EagerCaller()
+    compiled = torch.compile(model, backend=fxsplit.Backend(runner="v2", capture=capture))
+    x = torch.randn(4, 8)  # the runner's tensor: the same every step
+    with torch.no_grad():
+        for _ in range(4):
+            x.add_(1)
+            torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)

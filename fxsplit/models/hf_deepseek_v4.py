@@ -65,7 +65,8 @@ MIN_TRANSFORMERS = (5, 8, 1)
 # metadata (positions are an in-graph ``arange`` of the sequence length). The core attention is not
 # a module in transformers (``eager_attention_forward`` is a function), so an "attention" region can
 # only be had through the whole DeepseekV4Attention block (projections, compressor, indexer, output
-# projection included); that is ENGINE_MODULE_REGIONS below, for engine-like splits.
+# projection included); that is ENGINE_MODULE_REGIONS below, for engine-like splits. The built-in
+# presets (fxsplit.presets, on by default) find the indexer and the rotary embeddings without it.
 MODULE_REGIONS: dict[str, str] = {"DeepseekV4Indexer": "sparse_indexer"}
 
 # As MODULE_REGIONS, plus every attention block as region "attention" (the indexer nodes then

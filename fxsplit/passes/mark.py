@@ -3,11 +3,12 @@
 Reasons are strings: ``"region:<name>"`` (inside a region the runner runs eagerly),
 ``"op:<ns::op>"`` (a configured splitting op), ``"module:<pattern>"`` (inside a module matched by
 ``eager_modules``, or by a ``module_regions`` pattern whose region is eager),
-``"unsafe:<ns::op>"`` (an op that can never be captured) and ``"state:<setter>"`` (governed by a
-global setter that cannot be re-entered per piece, see
-:func:`fxsplit.passes.global_state.setter_spans`). Placeholders and ``get_attr`` nodes are
-never marked: Dynamo creates placeholders at their first use, so they inherit the annotations of
-whatever region first touched them.
+``"preset:<name>"`` (matched by a built-in or configured region preset, see
+:mod:`fxsplit.presets`, in a region the runner runs eagerly), ``"unsafe:<ns::op>"`` (an op that
+can never be captured) and ``"state:<setter>"`` (governed by a global setter that cannot be
+re-entered per piece, see :func:`fxsplit.passes.global_state.setter_spans`). Placeholders and
+``get_attr`` nodes are never marked: Dynamo creates placeholders at their first use, so they
+inherit the annotations of whatever region first touched them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from fxsplit.passes import global_state
 from fxsplit.passes.modules import ModuleMatcher
 from fxsplit.passes.normalise import is_multi_output_getitem, waited_collective
 from fxsplit.passes.ops import OpMatcher, op_name, op_names, unsafe_op
+from fxsplit.passes.preset_match import PresetMatcher
+from fxsplit.presets import Preset
 from fxsplit.regions import node_regions
 from fxsplit.runners import Runner
 
@@ -85,15 +88,31 @@ class Policy:
     splitting_ops: OpMatcher
     module_regions: ModuleMatcher
     eager_modules: ModuleMatcher
+    presets: PresetMatcher = field(default_factory=lambda: PresetMatcher(()))
 
     @classmethod
-    def build(cls, runner: Runner, splitting_ops=(), module_regions=None, eager_modules=()):
+    def build(
+        cls,
+        runner: Runner,
+        splitting_ops=(),
+        module_regions=None,
+        eager_modules=(),
+        presets: tuple[Preset, ...] = (),
+    ):
         return cls(
             frozenset(runner.eager_regions),
             OpMatcher(splitting_ops),
             ModuleMatcher(dict(module_regions or {})),
             ModuleMatcher(list(eager_modules)),
+            PresetMatcher(presets),
         )
+
+    def set_root(self, cls: type | None) -> None:
+        """The compiled module's class, for every module matcher (see
+        :meth:`ModuleMatcher.set_root`)."""
+        self.module_regions.set_root(cls)
+        self.eager_modules.set_root(cls)
+        self.presets.set_root(cls)
 
     def unused_patterns(self) -> list[str]:
         """Configured splitting ops and module patterns that matched no node so far."""
@@ -165,6 +184,7 @@ def mark(graph: Graph, policy: Policy) -> Marks:
     splitting_ops = policy.splitting_ops or None
     module_regions = policy.module_regions or None
     eager_modules = policy.eager_modules or None
+    presets = policy.presets or None
     by_target: dict[object, tuple[str | None, bool]] = {}
     on_accelerator = any(
         isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.device.type != "cpu"
@@ -201,18 +221,27 @@ def mark(graph: Graph, policy: Policy) -> Marks:
         custom = meta.get("custom")
         regions = node_regions(custom) if custom else ()
         reasons = [f"region:{r}" for r in regions if r in eager_regions] if regions else []
-        if module_regions is not None:
-            for pattern, name in module_regions.match(node):
-                if name not in regions:
-                    regions += (name,)
-                if name in eager_regions:
-                    reasons += (f"region:{name}", f"module:{pattern}")
+        module_hits = module_regions.match(node) if module_regions is not None else ()
+        for pattern, name in module_hits:
+            if name not in regions:
+                regions += (name,)
+            if name in eager_regions:
+                reasons += (f"region:{name}", f"module:{pattern}")
         if eager_modules is not None:
             reasons += (f"module:{p}" for p, _ in eager_modules.match(node))
-        if splitting_ops is not None:
-            name = splitting_ops.match(node)
-            if name is not None:
-                reasons.append(f"op:{name}")
+        op_hit = splitting_ops.match(node) if splitting_ops is not None else None
+        if op_hit is not None:
+            reasons.append(f"op:{op_hit}")
+        if presets is not None:
+            # The user's own marks come first: a node they matched by op (or by module) is not
+            # matched against op (or module) presets, and a preset adds nothing to a region the
+            # node is in already.
+            for preset in presets.match(node, ops=op_hit is None, modules=not module_hits):
+                if preset.region in regions:
+                    continue
+                regions += (preset.region,)
+                if preset.region in eager_regions:
+                    reasons += (f"region:{preset.region}", f"preset:{preset.name}")
         if governed and node in governed:
             reasons.append(f"state:{governed[node]}")
         key = (op, target)

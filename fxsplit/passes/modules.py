@@ -3,7 +3,8 @@
 A pattern is a module class name (``"DeepseekV4Indexer"``) or a glob over the qualified module
 path with Dynamo's ``L['self'].`` prefix (``G['model'].`` for a global model) stripped, such as
 ``"model.layers.*.self_attn"``: ``*`` matches one path component (and globs within one, as in
-``"layer*"``), ``**`` any number of them.
+``"layer*"``), ``**`` any number of them. A pattern of one component with a glob character also
+globs class names: ``"*RotaryEmbedding"`` matches ``LlamaRotaryEmbedding`` wherever it sits.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ def module_path(dynamo_path: str) -> str:
     path = _LOCAL_PREFIX.sub("", dynamo_path)
     path = _INDEX.sub(r".\1", path)
     return _MODULES.sub(r"\1", path).strip(".")
+
+
+def _class_match(pattern: str, names: set) -> bool:
+    """Whether ``pattern`` names one of the class ``names`` or, holding no dot, globs one."""
+    if pattern in names:
+        return True
+    if "." in pattern or not any(c in pattern for c in "*?["):
+        return False
+    return any(isinstance(n, str) and fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
 def _glob(pattern: tuple[str, ...], path: tuple[str, ...]) -> bool:
@@ -65,7 +75,7 @@ class ModuleMatcher:
             self.root_hits = ()
             return
         names = {cls.__name__, cls.__qualname__}
-        self.root_hits = tuple((p, v) for p, _, v in self._patterns if p in names)
+        self.root_hits = tuple((p, v) for p, _, v in self._patterns if _class_match(p, names))
         self.used.update(p for p, _ in self.root_hits)
 
     def match(self, node: Node) -> list[tuple[str, str]]:
@@ -94,7 +104,7 @@ class ModuleMatcher:
             names.add(cls.rpartition(".")[2])
         hits = []
         for pattern, parts, value in self._patterns:
-            if pattern in names or _glob(parts, path):
+            if _class_match(pattern, names) or _glob(parts, path):
                 hits.append((pattern, value))
                 self.used.add(pattern)
         return tuple(hits)

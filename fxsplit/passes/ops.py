@@ -93,6 +93,8 @@ def _op_names(node: Node) -> tuple[str, str | None] | None:
         return target._schema.name, target._overloadname
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target._qualified_op_name, None
+    if isinstance(target, torch._ops.HigherOrderOperator):  # e.g. higher_order::flex_attention
+        return f"{target.namespace}::{target.name()}", None
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__name__", None)
     if name and module.startswith("torch") and not module.startswith("torch.fx"):

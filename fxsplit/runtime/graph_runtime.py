@@ -119,12 +119,22 @@ class Frame:
             of the model at the break, not tensors the caller handed in.
         root: the class of the ``nn.Module`` whose method the frame runs, if any.
         model: the root's class name, else the function's name (for dump folder names).
+        nested: a frame called by model code that runs eagerly (Dynamo gave up on an enclosing
+            frame: a graph break, a recompile limit): its arguments were computed by the model,
+            not handed in by the caller.
     """
 
     arg_names: tuple[str, ...]
     resumed: bool = False
     root: type | None = None
     model: str | None = None
+    nested: bool = False
+
+    @property
+    def model_values(self) -> bool:
+        """Its tensor arguments are the model's own values (resumed or nested), fxsplit's to
+        copy under every binding."""
+        return self.resumed or self.nested
 
 
 class GraphRuntime:
@@ -195,7 +205,7 @@ class GraphRuntime:
             frame.arg_names if frame is not None else None,
             config.size_input,
         )
-        self._resumed = frame is not None and frame.resumed
+        self._resumed = frame is not None and frame.model_values
         self._stitched = stitched
         self.pieces = self._install()
         self._forward = stitched.forward

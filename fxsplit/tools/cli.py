@@ -175,6 +175,18 @@ def _cache(args) -> int:
     return 0
 
 
+def _demo(args) -> int:
+    from fxsplit.models import hf_architectures
+    from fxsplit.tools import demo
+
+    if args.model is not None:
+        try:
+            hf_architectures.tiny_config(args.model)
+        except (ValueError, ImportError) as error:
+            raise UsageError(str(error)) from None
+    return demo.run(args.model, compile_pieces=args.compile_pieces)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fxsplit``; returns the exit status (2: bad command line)."""
     parser = argparse.ArgumentParser(prog="fxsplit", description=__doc__)
@@ -195,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="instead: DeepSeek-V4 decode tensor-parallel over N CPU processes (gloo, capture "
         "emulated) under v1 and v2, each rank compared with the single-process model",
+    )
+    demo_parser.add_argument(
+        "--model",
+        default=None,
+        metavar="ARCHITECTURE",
+        help="run one Hugging Face architecture instead (tiny config, prefill + decode), e.g. "
+        "Qwen2MoeForCausalLM",
     )
     factory_help = "MODULE:FACTORY; FACTORY() returns (model, example_inputs)"
     options_help = 'fxsplit options as a JSON object, e.g. \'{"splitting_ops": ["aten::topk"]}\''
@@ -221,18 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "cache":
         return _cache(args)
-    if args.command == "demo":
-        if args.tp is not None:
-            if args.tp < 1:
-                print(f"fxsplit demo: error: --tp {args.tp}: needs N >= 1", file=sys.stderr)
-                return 2
-            from fxsplit.tools import tp_demo
+    if args.command == "demo" and args.tp is not None:
+        if args.tp < 1:
+            print(f"fxsplit demo: error: --tp {args.tp}: needs N >= 1", file=sys.stderr)
+            return 2
+        from fxsplit.tools import tp_demo
 
-            return tp_demo.run(args.tp)
-        from fxsplit.tools import demo
-
-        return demo.run(compile_pieces=args.compile_pieces)
+        return tp_demo.run(args.tp)
     try:
+        if args.command == "demo":
+            return _demo(args)
         if args.command == "dump":
             return _dump(args)
         if args.command == "diff":

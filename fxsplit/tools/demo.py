@@ -7,11 +7,16 @@
 2. Why v1 wants the wide eager region: under v1 (fresh metadata tensors each step) the narrow plan
    (attention input preparation captured) is correct only because ``input_binding="copy"``
    copies the metadata into static buffers every step; the wide plan copies no metadata.
-3. Hugging Face transformers' own ``DeepseekV4ForCausalLM`` (tiny config, random weights) with
-   its indexer marked ``sparse_indexer`` and its rotary embeddings ``attn_prep`` (see
-   :data:`HF_REGIONS`) under both runners, capture emulated (or CUDA), captured pieces on both
-   sides of the indexer; prefill logits against eager for several sequence lengths. Skipped, with
-   the install command, where transformers is missing.
+3. Hugging Face transformers' own ``DeepseekV4ForCausalLM`` (tiny config, random weights),
+   marked by nothing but fxsplit's built-in presets (:mod:`fxsplit.presets`: its indexer is
+   ``sparse_indexer``, its rotary embeddings ``attn_prep``, so the v1 and v2 plans differ) under
+   both runners, capture emulated (or CUDA), captured pieces on both sides of the indexer;
+   prefill logits against eager for several sequence lengths. Skipped, with the install
+   command, where transformers is missing.
+
+``fxsplit demo --model <Architecture>`` runs instead one transformers architecture of
+:mod:`fxsplit.models.hf_architectures` (tiny config, prefill and decode steps with a KV cache)
+under its default runner and the other one, and compares every step's logits with eager.
 
 Tables fold long cells instead of cutting them, so the output reads at 80 columns.
 
@@ -26,17 +31,11 @@ from rich.console import Console
 from rich.table import Table
 
 import fxsplit
-from fxsplit.models import deepseek_v4, hf_deepseek_v4
+from fxsplit.models import deepseek_v4, hf_architectures, hf_deepseek_v4
+from fxsplit.tools import coverage
 from fxsplit.tools.dump import graph_title, plan_table
 
 STEPS = (4, 4, 3, 4, 5, 3, 2, 4, 6, 4)
-# transformers marks no region: the indexer is the DSA piece an engine keeps eager, and the
-# rotary embeddings (cos/sin from positions) are attention input preparation, eager under v1
-# and captured under v2, so the two runners' plans differ.
-HF_REGIONS = {
-    **hf_deepseek_v4.MODULE_REGIONS,
-    "DeepseekV4RotaryEmbedding": fxsplit.ATTN_PREP,
-}
 PREFILL_LENGTHS = (5, 8, 13)
 METADATA = ("positions", "slot_mapping", "block_table", "seq_lens")
 
@@ -49,15 +48,19 @@ def _capture_mode() -> tuple[str, str]:
 COMPILED_TOLERANCE = 1e-4
 
 
-def _equal(got: torch.Tensor, want: torch.Tensor, compiled: bool) -> tuple[bool, float]:
-    diff = (got.float() - want.float()).abs().max().item()
-    # Bitwise where pieces run the graph's own ops on the CPU.
-    exact = got.device.type == "cpu" and not compiled
-    return (diff == 0.0 if exact else diff <= COMPILED_TOLERANCE), diff
-
-
 def _compiles(compile_pieces: str, device: str) -> bool:
     return compile_pieces == "inductor" or (compile_pieces == "auto" and device == "cuda")
+
+
+def _close(diff: float, device: str, compiled: bool) -> bool:
+    # Bitwise where pieces run the graph's own ops on the CPU.
+    exact = device == "cpu" and not compiled
+    return diff == 0.0 if exact else diff <= COMPILED_TOLERANCE
+
+
+def _equal(got: torch.Tensor, want: torch.Tensor, compiled: bool) -> tuple[bool, float]:
+    diff = (got.float() - want.float()).abs().max().item()
+    return _close(diff, got.device.type, compiled), diff
 
 
 def _metadata_copies(backend: fxsplit.Backend) -> int:
@@ -157,12 +160,10 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
         model, args = hf_deepseek_v4.example(seq_len=seq_len)
         model = model.to(device)
         args = tuple(a.to(device) for a in args)
+        # transformers marks no region: the built-in presets find the indexer and the rotary
+        # embeddings (attention input preparation: eager under v1, captured under v2).
         backend = fxsplit.Backend(
-            runner=runner,
-            capture=mode,
-            warmup_runs=0,
-            module_regions=HF_REGIONS,
-            compile_pieces=compile_pieces,
+            runner=runner, capture=mode, warmup_runs=0, compile_pieces=compile_pieces
         )
         compiled = torch.compile(model, backend=backend)
         with torch.no_grad():
@@ -185,17 +186,50 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
     return ok
 
 
-def run(compile_pieces: str = "auto") -> int:
-    """Run the demo; returns the process exit status (0 when every comparison matched).
+def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
+    """One transformers architecture under its default runner and the other one."""
+    mode, device = _capture_mode()
+    listed = hf_architectures.ARCHITECTURES[architecture].stands_for or architecture
+    first = fxsplit.runners.default_runner(listed)
+    table = Table(title=f"{architecture}: prefill + decode with a KV cache, {mode}")
+    for column in ("runner", "step", "tokens", "max diff", "ok"):
+        table.add_column(column, justify="right", overflow="fold")
+    ok = True
+    for runner in (first, "v2" if first == "v1" else "v1"):
+        result = coverage.check(
+            architecture, runner, capture=mode, device=device, compile_pieces=compile_pieces
+        )
+        for plan in result.plans:
+            console.print(plan_table(plan, f"{architecture} {graph_title(plan)}"))
+        for step, diff in enumerate(result.diffs):
+            good = _close(diff, device, _compiles(compile_pieces, device))
+            ok &= good
+            tokens = hf_architectures.PREFILL_LEN if step == 0 else 1
+            label = "prefill" if step == 0 else f"decode {step}"
+            table.add_row(runner, label, str(tokens), f"{diff:.3g}", "yes" if good else "NO")
+    console.print(table)
+    return ok
 
-    Args:
-        compile_pieces: the ``compile_pieces`` option (``"inductor"`` compiles the captured
-            pieces; comparisons then allow :data:`COMPILED_TOLERANCE`).
+
+def run(model: str | None = None, compile_pieces: str = "auto") -> int:
+    """Run the demo, or with ``model`` (an architecture name of
+    :mod:`fxsplit.models.hf_architectures`) that architecture only; returns the process exit
+    status (0 when every comparison matched). ``compile_pieces`` is the option of that name
+    (``"inductor"`` compiles the captured pieces; comparisons then allow
+    :data:`COMPILED_TOLERANCE`).
+
+    Raises:
+        ValueError: an unknown architecture (the message lists the known ones).
+        ImportError: ``model`` given and transformers missing or lacking it.
     """
     console = Console()
     mode, device = _capture_mode()
     pieces = "Inductor" if _compiles(compile_pieces, device) else "generated Python"
     console.print(f"capture: {mode} on {device}; pieces: {pieces}; torch {torch.__version__}")
+    if model is not None:
+        ok = _model(console, model, compile_pieces)
+        console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")
+        return 0 if ok else 1
     console.print(
         "Per step: captures and replays of captured pieces, uncaptured runs (warm-up, sizes "
         "first seen), input copies (values copied into fxsplit's static buffers).",

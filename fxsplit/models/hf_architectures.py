@@ -1,0 +1,325 @@
+"""Hugging Face transformers architectures, tiny and randomly initialised, with a KV-cache decode.
+
+Every architecture :func:`fxsplit.runners.default_runner` names, plus four widely used
+references (Llama, Qwen3, Mixtral, GPT-OSS), as a tiny config built locally (nothing is
+downloaded): 2 decoder layers, hidden size 64, vocabulary 128. :func:`build` makes the model
+with deterministic weights; :func:`decode` runs a prefill and decode steps with transformers' own
+``DynamicCache`` and returns the logits of every step, the same way for eager and compiled
+models.
+
+Choices that apply to all of them (see :func:`tiny_config`):
+
+- ``attn_implementation="sdpa"`` (transformers' default where the model supports it): attention
+  is one ``scaled_dot_product_attention`` call per layer, which :mod:`fxsplit.presets` puts in
+  region ``attention``. GPT-OSS has no sdpa path (attention sinks) and its flex-attention path
+  refuses sinks on CPU, so it runs ``"eager"``; DeepSeek-V4 supports only ``"eager"``. Eager
+  attention is plain matmul + softmax, which no op preset can tell from other matmuls.
+- ``experts_implementation="batched_mm"`` for MoE models: dense gather + bmm, traceable with no
+  custom op and no host sync (the default ``"grouped_mm"`` is an opaque custom op on CPU, and
+  ``"eager"`` loops over ``nonzero()``). LongcatFlash's experts ignore it and loop.
+- LongcatFlash has 1 layer (holding two attention blocks) with 2 routed experts and 1 zero
+  expert; DeepSeek-V4 is :func:`fxsplit.models.hf_deepseek_v4.tiny_config` (3 layers) with the
+  cache on.
+
+Architectures listed in :data:`fxsplit.runners.V2_ARCHITECTURES` that transformers does not ship
+are in :data:`NOT_SHIPPED`, with the shipped relative used in their place where one exists.
+
+transformers is imported inside functions only: ``fxsplit`` imports without it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxsplit.models.hf_deepseek_v4 import MIN_TRANSFORMERS, _version_tuple
+from fxsplit.models.hf_deepseek_v4 import tiny_config as _deepseek_v4_config
+
+__all__ = [
+    "ARCHITECTURES",
+    "NOT_SHIPPED",
+    "PREFILL_LEN",
+    "Architecture",
+    "available",
+    "build",
+    "decode",
+    "names",
+    "shipped",
+    "token_ids",
+]
+
+PREFILL_LEN = 5
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "attn_implementation": "sdpa",
+}
+_MOE: dict[str, Any] = {
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "experts_implementation": "batched_mm",
+}
+_MLA: dict[str, Any] = {  # multi-head latent attention (DeepSeek-V2 and relatives)
+    "num_key_value_heads": 4,  # MLA expands keys to every query head
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "head_dim": 8,  # the rotary width: transformers sizes the rotary embedding from head_dim
+    "v_head_dim": 16,
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One transformers architecture and how to make it tiny.
+
+    Attributes:
+        name: the architecture name (``config.architectures[0]``), e.g. ``"Qwen2MoeForCausalLM"``.
+        config: the transformers config class name.
+        options: config fields on top of the shared tiny defaults.
+        stands_for: the listed architecture this shipped relative replaces, or None.
+    """
+
+    name: str
+    config: str
+    options: Callable[[], dict[str, Any]]
+    stands_for: str | None = None
+
+
+def _inkling_text() -> dict[str, Any]:
+    return {
+        **_COMMON,
+        **_MOE,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "swa_num_attention_heads": 4,
+        "swa_num_key_value_heads": 2,
+        "swa_head_dim": 16,
+        "sliding_window_size": 8,
+        "rel_extent": 16,
+        "d_rel": 4,
+        "layer_types": ["hybrid_sliding", "hybrid"],
+        "mlp_layer_types": ["dense", "sparse"],
+    }
+
+
+def _inkling() -> dict[str, Any]:
+    text = _inkling_text()
+    return {
+        "text_config": {k: v for k, v in text.items() if not k.endswith("_implementation")},
+        "audio_config": {"text_hidden_size": 64},
+        "vision_config": {
+            "text_hidden_size": 64,
+            "hidden_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+        },
+        "attn_implementation": "sdpa",
+        "experts_implementation": "batched_mm",
+    }
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture(
+            "DeepseekV2ForCausalLM",
+            "DeepseekV2Config",
+            lambda: {
+                **_COMMON,
+                **_MOE,
+                **_MLA,
+                "n_routed_experts": 4,
+                "n_shared_experts": 1,
+                "first_k_dense_replace": 1,
+                "n_group": 1,
+                "topk_group": 1,
+            },
+        ),
+        Architecture(
+            "DeepseekV4ForCausalLM",
+            "DeepseekV4Config",
+            lambda: {"num_hidden_layers": 3, "use_cache": True},
+        ),
+        Architecture(
+            "GraniteMoeForCausalLM",
+            "GraniteMoeConfig",
+            lambda: {**_COMMON, **_MOE, "num_local_experts": 4},
+        ),
+        Architecture("InklingForCausalLM", "InklingTextConfig", _inkling_text),
+        Architecture("InklingForConditionalGeneration", "InklingConfig", _inkling),
+        Architecture(
+            "LongcatFlashForCausalLM",
+            "LongcatFlashConfig",
+            lambda: {
+                **{k: v for k, v in _COMMON.items() if k not in ("num_hidden_layers",)},
+                **_MLA,
+                "num_layers": 1,
+                "ffn_hidden_size": 128,
+                "expert_ffn_hidden_size": 32,
+                # LongcatFlashExperts loops over the experts hit, graph-breaking on .item()
+                # each time: few experts keep the number of graphs (and compiles) down.
+                "n_routed_experts": 2,
+                "zero_expert_num": 1,
+                "moe_topk": 2,
+                "experts_implementation": "batched_mm",
+            },
+            stands_for="LongcatFlashNgramForCausalLM",
+        ),
+        Architecture(
+            "Qwen2MoeForCausalLM",
+            "Qwen2MoeConfig",
+            lambda: {**_COMMON, **_MOE, "num_experts": 4, "shared_expert_intermediate_size": 64},
+        ),
+        Architecture("LlamaForCausalLM", "LlamaConfig", lambda: dict(_COMMON)),
+        Architecture("Qwen3ForCausalLM", "Qwen3Config", lambda: dict(_COMMON)),
+        Architecture(
+            "MixtralForCausalLM",
+            "MixtralConfig",
+            lambda: {**_COMMON, **_MOE, "num_local_experts": 4},
+        ),
+        Architecture(
+            "GptOssForCausalLM",
+            "GptOssConfig",
+            lambda: {
+                **_COMMON,
+                **_MOE,
+                "num_local_experts": 4,
+                "sliding_window": 8,
+                # YaRN's original context is 4096 tokens with factor 32: keep them consistent
+                "max_position_embeddings": 131072,
+                "attn_implementation": "eager",
+            },
+        ),
+    )
+}
+
+# Listed in fxsplit.runners.V2_ARCHITECTURES, not shipped by transformers -> the shipped relative
+# used in its place (None: no relative).
+NOT_SHIPPED: dict[str, str | None] = {
+    "KimiK3ForConditionalGeneration": None,
+    "LongcatFlashNgramForCausalLM": "LongcatFlashForCausalLM",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """True when transformers >= 5.8.1 is importable."""
+    try:
+        import transformers
+    except Exception:
+        return False
+    return _version_tuple(getattr(transformers, "__version__", "0")) >= MIN_TRANSFORMERS
+
+
+def shipped(name: str) -> bool:
+    """Whether the installed transformers has a model class called ``name``."""
+    if not available():
+        return False
+    import transformers
+
+    return hasattr(transformers, name)
+
+
+def names() -> list[str]:
+    """Architecture names :func:`build` knows, in table order."""
+    return list(ARCHITECTURES)
+
+
+def _architecture(name: str) -> Architecture:
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        relative = NOT_SHIPPED.get(name)
+        hint = f"; transformers does not ship it, use {relative}" if relative else ""
+        if name in NOT_SHIPPED and relative is None:
+            hint = "; transformers does not ship it and has no relative of it"
+        raise ValueError(
+            f"unknown architecture {name!r}{hint}; known architectures: {', '.join(names())}"
+        ) from None
+
+
+def tiny_config(name: str):
+    """The tiny transformers config of architecture ``name``.
+
+    Raises:
+        ValueError: an unknown architecture (the message lists the known ones).
+        ImportError: transformers is missing, too old, or lacks the architecture.
+    """
+    arch = _architecture(name)
+    if not shipped(arch.name):
+        raise ImportError(
+            f"{arch.name} needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} with "
+            f"that class (pip install 'fxsplit[hf]')"
+        )
+    if arch.name == "DeepseekV4ForCausalLM":
+        return _deepseek_v4_config(**arch.options())
+    import transformers
+
+    return getattr(transformers, arch.config)(**arch.options())
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """``<name>(tiny_config(name))`` with weights from transformers' initialiser under
+    ``torch.manual_seed(seed)``; float32, CPU, eval mode. The global RNG state is restored.
+
+    Raises:
+        ValueError / ImportError: see :func:`tiny_config`.
+    """
+    import transformers
+
+    config = tiny_config(name)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, name)(config)
+    return model.to(device="cpu", dtype=torch.float32).eval()
+
+
+def _vocab_size(model: nn.Module) -> int:
+    config = model.config
+    return getattr(config, "text_config", config).vocab_size
+
+
+def token_ids(model: nn.Module, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    """Token ids for :func:`decode`: int64 ``[1, PREFILL_LEN]``, then ``steps`` of ``[1, 1]``,
+    fixed in advance so that eager and compiled runs read the same tokens whatever they predict.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    vocab = _vocab_size(model)
+    prompt = torch.randint(0, vocab, (1, PREFILL_LEN), generator=generator)
+    return [prompt, *(torch.randint(0, vocab, (1, 1), generator=generator) for _ in range(steps))]
+
+
+def decode(model: Callable, config, ids: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Prefill ``ids[0]``, then one decode step per further entry, with one ``DynamicCache``.
+
+    Args:
+        model: the transformers model, eager or ``torch.compile``'d.
+        config: its config (``DynamicCache(config=...)`` sizes the cache's layers from it).
+        ids: from :func:`token_ids`.
+
+    Returns:
+        each step's logits, cloned (a replayed graph overwrites its outputs on the next step).
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    logits = []
+    with torch.no_grad():
+        for step in ids:
+            out = model(input_ids=step, cache=cache, use_cache=True)
+            logits.append(out.logits.clone())
+    return logits

@@ -1,0 +1,53 @@
+"""Match FX nodes against region presets (:mod:`fxsplit.presets`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch.fx import Node
+
+from fxsplit.passes.modules import ModuleMatcher
+from fxsplit.passes.ops import OpMatcher
+from fxsplit.presets import Preset
+
+
+class PresetMatcher:
+    """Which presets a node matches, by op and by enclosing module.
+
+    Args:
+        presets: in matching order; where two presets list the same op name or module pattern,
+            the first one wins.
+    """
+
+    def __init__(self, presets: Iterable[Preset]):
+        self._by_op: dict[str, Preset] = {}
+        self._by_pattern: dict[str, Preset] = {}
+        for preset in presets:
+            for name in preset.ops:
+                self._by_op.setdefault(name, preset)
+            for pattern in preset.modules:
+                self._by_pattern.setdefault(pattern, preset)
+        self._ops = OpMatcher(self._by_op)
+        self._modules = ModuleMatcher({p: p for p in self._by_pattern})
+
+    def __bool__(self) -> bool:
+        return bool(self._by_op or self._by_pattern)
+
+    def set_root(self, cls: type | None) -> None:
+        """The compiled module's own class (see :meth:`ModuleMatcher.set_root`)."""
+        self._modules.set_root(cls)
+
+    def match(self, node: Node, *, ops: bool = True, modules: bool = True) -> list[Preset]:
+        """The presets ``node`` matches: by its op (when ``ops``) and by its enclosing modules
+        (when ``modules``), each preset once, op matches first."""
+        found: list[Preset] = []
+        if ops and self._by_op:
+            name = self._ops.match(node)
+            if name is not None:
+                found.append(self._by_op[name])
+        if modules and self._by_pattern:
+            for pattern, _ in self._modules.match(node):
+                preset = self._by_pattern[pattern]
+                if preset not in found:
+                    found.append(preset)
+        return found

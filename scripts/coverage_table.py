@@ -1,0 +1,50 @@
+"""Recompute the README's Hugging Face coverage table and write it between its markers.
+
+Compiles every architecture of ``fxsplit.models.hf_architectures`` under runners v1 and v2 with
+``backend="fxsplit"`` (capture emulated, prefill + decode with a KV cache, about 4 minutes on
+2 CPU cores) and rewrites the section between ``fxsplit.tools.coverage.BEGIN`` and ``END``.
+``--check`` only compares and exits 1 when the README is stale.
+
+    python3 scripts/coverage_table.py [--check] [--readme README.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from fxsplit.models import hf_architectures
+from fxsplit.tools import coverage
+
+
+def main() -> int:
+    """Compute the table; write it into the README (or compare with ``--check``)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default = Path(__file__).resolve().parent.parent / "README.md"
+    parser.add_argument("--readme", type=Path, default=default, help="README to rewrite")
+    parser.add_argument("--check", action="store_true", help="compare only; exit 1 if stale")
+    args = parser.parse_args()
+    results = []
+    for architecture in hf_architectures.names():
+        for runner in ("v1", "v2"):
+            start = time.perf_counter()
+            result = coverage.check(architecture, runner)
+            results.append(result)
+            status = "exact" if result.exact else f"differs {max(result.diffs):.3g}"
+            took = time.perf_counter() - start
+            print(f"{architecture} {runner}: {status} ({took:.1f} s)", file=sys.stderr)
+    body = coverage.table(results)
+    text = args.readme.read_text(encoding="utf-8")
+    if args.check:
+        stale = coverage.section(text) != body
+        print("README coverage table is stale" if stale else "README coverage table is current")
+        return 1 if stale else 0
+    args.readme.write_text(coverage.replace_section(text, body), encoding="utf-8")
+    print(f"wrote the coverage table into {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,910 @@
+"""Hugging Face transformers architectures through ``backend="fxsplit"``: tiny configs, a prefill
+and decode steps with transformers' ``DynamicCache``, capture emulated, under both runners;
+logits equal to eager, the built-in presets' regions, golden plans, and the README's coverage
+table.
+
+Every case is compiled once per session (:func:`_result`) and read by all three kinds of test.
+CI runs every listed architecture (:data:`fxsplit.runners.V2_ARCHITECTURES`, or its shipped
+stand-in) under both runners and the reference architectures under their default runner;
+``FXSPLIT_HF_SWEEP=full`` runs every case. Regenerate the golden plans with
+``FXSPLIT_HF_SWEEP=full EXPECTTEST_ACCEPT=1 python3 -m pytest <this file>`` and the README table
+with ``python3 scripts/coverage_table.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+
+from fxsplit.models import hf_architectures
+from fxsplit.runners import V2_ARCHITECTURES, default_runner
+from fxsplit.tools import coverage
+
+if not hf_architectures.available():
+    pytest.skip("needs transformers >= 5.8.1", allow_module_level=True)
+
+TestCase = pytest.importorskip("expecttest").TestCase
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
+
+RUNNERS = ("v1", "v2")
+ALL_CASES = [(a, r) for a in hf_architectures.names() for r in RUNNERS]
+FULL = os.environ.get("FXSPLIT_HF_SWEEP") == "full"
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _in_ci(architecture: str, runner: str) -> bool:
+    stands_for = hf_architectures.ARCHITECTURES[architecture].stands_for
+    listed = (stands_for or architecture) in V2_ARCHITECTURES
+    return FULL or listed or runner == default_runner(architecture, "cuda")
+
+
+CASES = [case for case in ALL_CASES if _in_ci(*case)]
+
+
+@functools.cache
+def _compiled(architecture: str, runner: str) -> coverage.Result:
+    return coverage.check(architecture, runner)
+
+
+def _result(architecture: str, runner: str) -> coverage.Result:
+    if not _in_ci(architecture, runner):
+        pytest.skip("a reference architecture under its other runner: FXSPLIT_HF_SWEEP=full")
+    return _compiled(architecture, runner)
+
+
+def _golden(architecture: str, runner: str) -> str:
+    return "\n\n".join(p.format() for p in _result(architecture, runner).plans)
+
+
+def test_unknown_architecture_lists_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown architecture 'Nope'.*LlamaForCausalLM"):
+        hf_architectures.build("Nope")
+    with pytest.raises(ValueError, match="does not ship it and has no relative"):
+        hf_architectures.tiny_config("KimiK3ForConditionalGeneration")
+
+
+def test_tiny_configs_are_tiny_and_use_sdpa_where_the_model_has_it():
+    for name in hf_architectures.names():
+        config = hf_architectures.tiny_config(name)
+        text = getattr(config, "text_config", config)
+        assert text.hidden_size == 64 and text.vocab_size == 128
+        eager = name in ("DeepseekV4ForCausalLM", "GptOssForCausalLM")
+        assert config._attn_implementation == ("eager" if eager else "sdpa"), name
+
+
+def test_every_listed_architecture_is_built_or_listed_as_not_shipped():
+    for name in V2_ARCHITECTURES:
+        relative = hf_architectures.NOT_SHIPPED.get(name, name)
+        assert name in hf_architectures.NOT_SHIPPED or name in hf_architectures.ARCHITECTURES
+        assert name not in hf_architectures.NOT_SHIPPED or not hf_architectures.shipped(name)
+        if relative is not None:
+            assert hf_architectures.shipped(relative), relative
+
+
+@pytest.mark.parametrize(("architecture", "runner"), CASES)
+def test_decode_equals_eager(architecture, runner):
+    result = _result(architecture, runner)
+    assert result.exact, f"max abs diff per step: {result.diffs}"
+    assert len(result.diffs) == 1 + coverage.DECODE_STEPS
+
+
+@pytest.mark.parametrize(("architecture", "runner"), CASES)
+def test_presets_make_attention_eager_without_marking(architecture, runner):
+    """Nothing marks a region in transformers' code: the eager regions come from the presets
+    alone. Attention is an op only under sdpa; GPT-OSS and DeepSeek-V4 run "eager" attention
+    (matmul + softmax), which no op preset can tell from other matmuls."""
+    result = _result(architecture, runner)
+    config = hf_architectures.tiny_config(architecture)
+    text = getattr(config, "text_config", config)
+    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
+    rotary = not architecture.startswith("Inkling")  # Inkling has relative position logits
+    want = {"attention"} if sdpa else set()
+    if rotary and runner == "v1":
+        want.add("attn_prep")
+    if getattr(text, "index_topk", None):
+        want.add("sparse_indexer")
+    assert set(result.eager_regions) == want
+    reasons = {r for p in result.plans for piece in p.eager for r in piece.reasons}
+    assert not {r for r in reasons if r.startswith(("op:", "module:"))}
+    presets = {r for r in reasons if r.startswith("preset:")}
+    assert bool(presets) == bool(want)
+
+
+def test_default_runner_is_v2_for_listed_architectures():
+    for architecture, _ in ALL_CASES:
+        arch = hf_architectures.ARCHITECTURES[architecture]
+        listed = (arch.stands_for or architecture) in V2_ARCHITECTURES
+        assert default_runner(arch.stands_for or architecture, "cuda") == ("v2" if listed else "v1")
+
+
+class GoldenPlans(TestCase):
+    def test_deepseek_v2_v1(self):
+        self.assertExpectedInline(
+            _golden("DeepseekV2ForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    4  -          -
+piece_1  eager       6  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   64  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   84  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   57  -          -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    4  -          -
+piece_1  eager       6  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   62  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   82  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   57  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    6  -          -
+piece_1  eager       6  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   62  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   83  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   57  -          -""",
+        )
+
+    def test_deepseek_v2_v2(self):
+        self.assertExpectedInline(
+            _golden("DeepseekV2ForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   74  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   84  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   57  -          -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   72  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   82  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   57  -          -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   74  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   83  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   57  -          -""",
+        )
+
+    def test_deepseek_v4_v1(self):
+        self.assertExpectedInline(
+            _golden("DeepseekV4ForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions                   reasons
+piece_0  captured   24  -                         -
+piece_1  eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_2  captured  422  -                         -
+piece_3  eager       9  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_4  captured   17  -                         -
+piece_5  eager     107  attn_prep,sparse_indexer  preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_6  captured  475  -                         -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions                   reasons
+piece_0  captured   28  -                         -
+piece_1  eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_2  captured  423  -                         -
+piece_3  eager       9  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_4  captured   19  -                         -
+piece_5  eager     114  attn_prep,sparse_indexer  preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_6  captured  475  -                         -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions                   reasons
+piece_0  captured   28  -                         -
+piece_1  eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_2  captured  391  -                         -
+piece_3  eager      56  attn_prep,sparse_indexer  preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_4  captured  480  -                         -""",
+        )
+
+    def test_deepseek_v4_v2(self):
+        self.assertExpectedInline(
+            _golden("DeepseekV4ForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions                   reasons
+piece_0  captured  490  attn_prep                 -
+piece_1  eager     107  attn_prep,sparse_indexer  preset:sparse_indexer,region:sparse_indexer
+piece_2  captured  475  -                         -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions                   reasons
+piece_0  captured  497  attn_prep                 -
+piece_1  eager     114  attn_prep,sparse_indexer  preset:sparse_indexer,region:sparse_indexer
+piece_2  captured  475  -                         -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions                   reasons
+piece_0  captured  437  attn_prep                 -
+piece_1  eager      56  attn_prep,sparse_indexer  preset:sparse_indexer,region:sparse_indexer
+piece_2  captured  480  -                         -""",
+        )
+
+    def test_granite_moe_v1(self):
+        self.assertExpectedInline(
+            _golden("GraniteMoeForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    5  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   34  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   75  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   52  -          -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    5  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   32  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   73  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   52  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    6  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   33  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   75  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   52  -          -""",
+        )
+
+    def test_granite_moe_v2(self):
+        self.assertExpectedInline(
+            _golden("GraniteMoeForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   49  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   75  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   52  -          -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   47  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   73  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   52  -          -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   49  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   75  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   52  -          -""",
+        )
+
+    def test_inkling_v1(self):
+        self.assertExpectedInline(
+            _golden("InklingForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   96  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  129  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   93  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  122  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   96  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  123  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -""",
+        )
+
+    def test_inkling_v2(self):
+        self.assertExpectedInline(
+            _golden("InklingForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   96  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  129  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   93  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  122  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   96  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  123  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -""",
+        )
+
+    def test_inkling_cond_gen_v1(self):
+        self.assertExpectedInline(
+            _golden("InklingForConditionalGeneration", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   96  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  129  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   93  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  122  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   96  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  123  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -""",
+        )
+
+    def test_inkling_cond_gen_v2(self):
+        self.assertExpectedInline(
+            _golden("InklingForConditionalGeneration", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   96  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  129  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   93  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  122  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   96  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured  123  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured  107  -          -""",
+        )
+
+    def test_longcat_flash_v1(self):
+        self.assertExpectedInline(
+            _golden("LongcatFlashForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 0 captured, 1 eager
+piece    kind   ops  regions    reasons
+piece_0  eager   10  attn_prep  preset:rotary_embedding,region:attn_prep
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   65  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   15  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured   13  -        -
+
+graph_3 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    5  -        -
+
+graph_4 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_5 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_6 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_7 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   71  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   22  -          -
+
+graph_8 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    8  -        -
+
+graph_9 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_10 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 0 captured, 1 eager
+piece    kind   ops  regions    reasons
+piece_0  eager   10  attn_prep  preset:rotary_embedding,region:attn_prep
+
+graph_11 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   63  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   15  -          -
+
+graph_12 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured   13  -        -
+
+graph_13 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    5  -        -
+
+graph_14 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_15 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_16 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   69  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   22  -          -
+
+graph_17 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    8  -        -
+
+graph_18 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -""",
+        )
+
+    def test_longcat_flash_v2(self):
+        self.assertExpectedInline(
+            _golden("LongcatFlashForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   10  attn_prep  -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   65  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   15  -          -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured   13  -        -
+
+graph_3 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    5  -        -
+
+graph_4 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_5 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_6 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_7 runner=v2 eager_regions=attention,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   71  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   22  -          -
+
+graph_8 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    8  -        -
+
+graph_9 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_10 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   10  attn_prep  -
+
+graph_11 runner=v2 eager_regions=attention,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   63  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   15  -          -
+
+graph_12 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured   13  -        -
+
+graph_13 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    5  -        -
+
+graph_14 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_15 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -
+
+graph_16 runner=v2 eager_regions=attention,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   69  -          -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   22  -          -
+
+graph_17 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    8  -        -
+
+graph_18 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions  reasons
+piece_0  captured    1  -        -""",
+        )
+
+    def test_qwen2_moe_v1(self):
+        self.assertExpectedInline(
+            _golden("Qwen2MoeForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   19  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   34  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   82  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   58  -          -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   19  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   32  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   80  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   58  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   21  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   33  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   82  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   58  -          -""",
+        )
+
+    def test_qwen2_moe_v2(self):
+        self.assertExpectedInline(
+            _golden("Qwen2MoeForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   63  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   82  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   58  -          -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   61  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   80  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   58  -          -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   64  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   82  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   58  -          -""",
+        )
+
+    def test_llama_v1(self):
+        self.assertExpectedInline(
+            _golden("LlamaForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    4  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   34  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   54  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   30  -          -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    4  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   32  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   52  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   30  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    5  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   33  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   54  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   30  -          -""",
+        )
+
+    def test_llama_v2(self):
+        self.assertExpectedInline(
+            _golden("LlamaForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   48  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   54  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   30  -          -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   46  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   52  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   30  -          -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   48  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   54  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   30  -          -""",
+        )
+
+    def test_qwen3_v1(self):
+        self.assertExpectedInline(
+            _golden("Qwen3ForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    4  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   50  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   70  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   30  -          -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    4  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   48  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   68  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   30  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    5  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   49  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   70  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   30  -          -""",
+        )
+
+    def test_qwen3_v2(self):
+        self.assertExpectedInline(
+            _golden("Qwen3ForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   64  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   70  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   30  -          -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   62  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   68  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   30  -          -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   64  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   70  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   30  -          -""",
+        )
+
+    def test_mixtral_v1(self):
+        self.assertExpectedInline(
+            _golden("MixtralForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    4  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   34  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   75  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   51  -          -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    4  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   32  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   73  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   51  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    5  -          -
+piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured   33  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   75  -          -
+piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_6  captured   51  -          -""",
+        )
+
+    def test_mixtral_v2(self):
+        self.assertExpectedInline(
+            _golden("MixtralForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   48  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   75  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   51  -          -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   46  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   73  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   51  -          -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   48  attn_prep  -
+piece_1  eager       1  attention  preset:sdpa,region:attention
+piece_2  captured   75  -          -
+piece_3  eager       1  attention  preset:sdpa,region:attention
+piece_4  captured   51  -          -""",
+        )
+
+    def test_gpt_oss_v1(self):
+        self.assertExpectedInline(
+            _golden("GptOssForCausalLM", "v1"),
+            """\
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   31  -          -
+piece_1  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured  208  -          -
+
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   35  -          -
+piece_1  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured  204  -          -
+
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
+piece    kind      ops  regions    reasons
+piece_0  captured   37  -          -
+piece_1  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_2  captured  203  -          -""",
+        )
+
+    def test_gpt_oss_v2(self):
+        self.assertExpectedInline(
+            _golden("GptOssForCausalLM", "v2"),
+            """\
+graph_0 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions    reasons
+piece_0  captured  248  attn_prep  -
+
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions    reasons
+piece_0  captured  248  attn_prep  -
+
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
+piece    kind      ops  regions    reasons
+piece_0  captured  249  attn_prep  -""",
+        )
+
+
+def test_readme_coverage_table_is_current():
+    """Each computed row is the README's; the README has a row for every case (all of them are
+    compared under FXSPLIT_HF_SWEEP=full)."""
+    stale = "README coverage table is stale: run python3 scripts/coverage_table.py"
+    got = coverage.section(README.read_text(encoding="utf-8")).splitlines()
+    rows = len(ALL_CASES) + len(hf_architectures.NOT_SHIPPED)
+    assert len(got) == 2 + rows, stale
+    want = coverage.table([_compiled(*case) for case in CASES]).splitlines()
+    if FULL:
+        assert got == want, stale
+    else:
+        assert want[:2] == got[:2] and set(want[2:]) <= set(got[2:]), stale
