@@ -6,29 +6,7 @@ import torch
 
 import fxsplit
 from fxsplit.passes import aliasing
-
-
-class Layer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.proj(x).relu() * 0.5
-        with fxsplit.region(fxsplit.ATTENTION):
-            h = h.masked_fill(h > 1, float("-inf")).softmax(-1)
-        return x + h
-
-
-class Stack(torch.nn.Module):
-    def __init__(self, layers: int):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(Layer() for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x * 2
+from tests.stack import Stack
 
 
 def _compile(layers: int, **options):

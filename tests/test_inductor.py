@@ -12,34 +12,11 @@ import fxsplit
 from fxsplit import cache, counters
 from fxsplit.passes import inductor
 from fxsplit.tools import cli
+from tests.stack import Stack
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}  # fp32: Inductor fuses and reorders reductions
-
-
-class Layer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.proj(x).relu() * 0.5
-        with fxsplit.region(fxsplit.ATTENTION):
-            h = h.softmax(-1)
-        return x + h
-
-
-class Stack(torch.nn.Module):
-    def __init__(self, layers: int = 3):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = torch.nn.ModuleList(Layer() for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x * 2
 
 
 @pytest.fixture(scope="module")
