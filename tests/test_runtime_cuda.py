@@ -244,7 +244,7 @@ def test_recapture_after_weights_move_and_after_backend_reset():
 
 def test_inductor_pieces_capture_replay_and_match_eager(tmp_path):
     """compile_pieces="inductor" under real CUDA graphs: the distinct captured pieces are
-    compiled (the layers share them), captured and replayed, and the output equals eager's."""
+    compiled, captured and replayed, and the output equals eager's."""
     batches = [2, 3, 2, 3, 2, 3]
     expected = _ds_eager(batches, persistent=True)
     model, backend = _ds_compiled(
@@ -256,6 +256,5 @@ def test_inductor_pieces_capture_replay_and_match_eager(tmp_path):
     records = [r for split in backend.compiled for r in split.compiled_pieces or ()]
     compiled = {name for r in records if r.outcome != "eager" for name in r.pieces}
     assert compiled, [(r.pieces, r.reason) for r in records]
-    assert any(len(r.pieces) > 1 for r in records if r.outcome != "eager"), records
     replayed = {piece for piece, totals in _piece_totals(backend).items() if totals["replays"]}
     assert compiled <= replayed, (compiled, replayed)
