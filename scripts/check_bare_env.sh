@@ -26,5 +26,6 @@ done
 "$py" -m pytest -q -p no:cacheprovider --collect-only tests >/dev/null
 "$py" -m pytest -q -p no:cacheprovider -m cuda tests/test_runtime_cuda.py -rs | tail -1
 "$py" bench/decode_latency.py --help >/dev/null
+"$py" bench/compile_time.py --help >/dev/null
 "$py" scripts/tp_nccl_check.py | grep -q skipped  # no GPU here: it must say so and exit 0
 echo "bare env check: passed (collection, CUDA tests skip, the GPU check's scripts start)"
