@@ -14,6 +14,8 @@ that namespace calls ``wait_tensor`` (the contract stated in
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.fx import Node
 
@@ -24,6 +26,15 @@ _WAIT = "wait_tensor"
 
 
 def _namespace_and_name(op: object) -> tuple[str, str] | None:
+    # Asked for every node of every graph: answered once per op.
+    try:
+        return _names_of(op)
+    except TypeError:  # an unhashable target
+        return _names_of.__wrapped__(op)
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_of(op: object) -> tuple[str, str] | None:
     if isinstance(op, torch._ops.OpOverload):
         return op.namespace, op._schema.name.partition("::")[2]
     if isinstance(op, torch._ops.OpOverloadPacket):

@@ -152,6 +152,7 @@ def compile_pieces(
             examples = [nodes[name].meta.get("example_value") for name in module.input_names]
             layouts = (_layouts(examples), _assumptions(examples))
             groups.setdefault((module.shared_code, layouts), []).append(i)
+    _specialise_floats(split, groups, nodes, grad_at_entry)
     disk = cache.PieceCache(cache_root)
     kind = cache.device_kind(device)
     results = []
@@ -223,6 +224,36 @@ def _compile(piece_gm, examples, key: str, disk: cache.PieceCache, dynamic: str 
     disk.save(key, artifact)
     counters.totals["pieces_compiled"] += 1
     return "compiled", time.perf_counter() - start, None, "\n\n".join(code) or None, key
+
+
+def _specialise_floats(split, groups, nodes, grad_at_entry: bool) -> None:
+    """Ask Dynamo, once, to trace again with every symbolic float that a piece to compile
+    reads made a constant.
+
+    Dynamo lifts Python float attributes (a norm's ``eps``, an attention scale) to symbolic
+    floats; Inductor cannot compile them and asks Dynamo to retrace with the one it met
+    specialised, one compile at a time (a retrace of the whole frame per float, with the
+    compiles before it wasted). Naming them all before any compile costs one retrace. Pass
+    ``torch._dynamo.config.specialize_float=True`` to avoid even that one.
+
+    Raises:
+        RestartAnalysis: there are such floats not yet specialised (Dynamo catches it).
+    """
+    from torch._dynamo.symbolic_convert import TensorifyState
+
+    floats = set()
+    for members in groups.values():
+        if _not_compiled(split, members[0], nodes, grad_at_entry) is not None:
+            continue
+        for name in split.materialised.pieces[members[0]].input_names:
+            value = nodes[name].meta.get("example_value")
+            if isinstance(value, torch.SymFloat) and value.node.expr.is_Symbol:
+                floats.add(str(value.node.expr))
+    pending = {f for f in floats if not TensorifyState.should_specialize(f)}
+    if pending:
+        for name in pending:
+            TensorifyState.specialize(name)
+        raise RestartAnalysis
 
 
 def _specialise(piece_gm, examples, layouts, kind: str, disk, size, sizes):
@@ -386,9 +417,12 @@ def _assumptions(examples) -> tuple[str, ...]:
 
 def _progress(items, graph_id: str):
     items = list(items)
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a bare GPU box: torch, pytest and numpy only
+        return items
     if len(items) < 2:
         return items
-    from tqdm import tqdm
 
     # Shown where a terminal watches (tqdm's own test), never in logs or pipes.
     return tqdm(

@@ -217,6 +217,7 @@ class OpMatcher:
             ns, op, overload = parse_op_name(name)
             self._by_op.setdefault(f"{ns}::{op}", []).append((overload, name))
         self._cache: dict[object, str | None] = {}
+        self._by_names: dict[tuple[str, str | None], str | None] = {}
         self.used: set[str] = set()
 
     def __bool__(self) -> bool:
@@ -245,6 +246,13 @@ class OpMatcher:
         names = op_names(node)
         if names is None:
             return None
+        try:  # operators are named per argument kinds: cache by the name found
+            return self._by_names[names]
+        except KeyError:
+            found = self._by_names[names] = self._match_names(names)
+            return found
+
+    def _match_names(self, names: tuple[str, str | None]) -> str | None:
         base, overload = names
         hits = [
             name
