@@ -50,15 +50,28 @@ def device_kind(device: torch.device | None) -> str:
 
 def key(code: str, layouts: object, device: str) -> str:
     """The cache key of a piece: sha256 of its canonical code and input layouts, the device
-    kind, the torch and fxsplit versions and Inductor's configuration."""
+    kind, the global state a compile bakes in (autocast, default dtype, grad mode,
+    deterministic algorithms, ...: Dynamo's own global-state guard), the torch and fxsplit
+    versions and Inductor's configuration."""
     import torch._inductor.config as inductor_config
 
     from fxsplit import __version__
 
     config = inductor_config.save_config_portable()
     versions = (torch.__version__, __version__)
-    parts = (code, repr(layouts), device, *versions, repr(sorted(config.items())))
+    state = global_state()
+    parts = (code, repr(layouts), device, state, *versions, repr(sorted(config.items())))
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def global_state() -> str:
+    """The global state Dynamo guards on, as its ``GlobalStateGuard`` serialises it, less the
+    thread count (a run-time setting, not one a compile depends on)."""
+    import json
+
+    state = json.loads(torch._C._dynamo.guards.GlobalStateGuard().__getstate__())
+    state.pop("num_threads", None)
+    return json.dumps(state, sort_keys=True)
 
 
 class PieceCache:

@@ -205,3 +205,104 @@ def test_dump_lists_compiled_pieces_and_their_code(cache_root, tmp_path):
     for record in records:
         if record["outcome"] == "compiled" and record["code_file"]:
             assert (folder / record["code_file"]).read_text()
+
+
+# --------------------------------------------------------------------------- regressions
+
+
+def test_compile_sizes_never_freeze_another_host_value(cache_root):
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x, n):
+            return self.proj(x) * n + n
+
+    model = Scaled()
+    backend = fxsplit.Backend(
+        compile_pieces="inductor", compile_sizes=[4], cache_dir=str(cache_root), capture="off"
+    )
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for batch, n in [(3, 2), (4, 3), (4, 5), (5, 2), (4, 11)]:
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x, n), model(x, n), **TOLERANCE)
+
+
+def _scaler(c):
+    @torch._dynamo.allow_in_graph
+    def scale(x):
+        return x * c
+
+    return scale
+
+
+class _ClosureLayer(torch.nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.scale = _scaler(c)
+
+    def forward(self, x):
+        return torch.sin(self.scale(self.proj(x)))
+
+
+def test_functions_of_one_name_but_other_objects_never_share_an_artifact(cache_root):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_ClosureLayer(2.0), _ClosureLayer(3.0))
+    backend = fxsplit.Backend(
+        compile_pieces="inductor",
+        splitting_ops=["aten::sin"],
+        cache_dir=str(cache_root),
+        capture="off",
+    )
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for batch in (3, 4):
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)
+
+
+def test_an_artifact_compiled_under_autocast_is_not_reused_without_it(cache_root):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    backend = fxsplit.Backend(compile_pieces="inductor", cache_dir=str(cache_root), capture="off")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert compiled(x).dtype == torch.bfloat16
+        out = compiled(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, model(x), **TOLERANCE)
+
+
+def test_outputs_viewing_one_another_stay_generated_python(cache_root):
+    class Sliced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x, n):
+            h = self.proj(x) * n
+            r = h[1:]
+            r.add_(1.0)  # eager (a splitting op): h and its view r both leave the first piece
+            return torch.sin(h) * n
+
+    model = Sliced()
+    backend = fxsplit.Backend(
+        compile_pieces="inductor",
+        splitting_ops=["aten::add_"],
+        cache_dir=str(cache_root),
+        capture="off",
+    )
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for batch, n in [(2, 2), (2, 3), (3, 3)]:
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x, n), model(x, n), **TOLERANCE)
+    first = backend.compiled[0].compiled_pieces[0]
+    assert first.outcome == "eager" and "share storage" in first.reason

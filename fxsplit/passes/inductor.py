@@ -164,12 +164,20 @@ def compile_pieces(
             results.append(CompiledPiece(names, "eager", reason=reason))
             continue
         piece_gm, examples = _piece_graph(gm, split.parts[members[0]].nodes, first, nodes)
-        result = _compile(piece_gm, examples, cache.key(piece_gm.code, layouts, kind), disk)
+        objects, portable = _objects(split.parts[members[0]].nodes, gm)
+        key = cache.key(piece_gm.code, layouts, kind)
+        # Objects the code names but does not identify (a closure, a module) key by identity,
+        # in memory only: another process may hold other objects under the same names.
+        if objects:
+            key = f"{key}-{'-'.join(map(str, objects))}"
+        result = _compile(piece_gm, examples, key, disk if portable else None)
         results.append(CompiledPiece(names, *result))
         if result[0] == "eager":
             continue
         artifact = _MEMORY[result[-1]]
-        size_arg, sized = _specialise(piece_gm, examples, layouts, kind, disk, size, sizes)
+        size_arg, sized = _specialise(
+            piece_gm, examples, layouts, key, disk if portable else None, size, sizes
+        )
         for i in members:
             module = split.materialised.pieces[i]
             single = len(module.output_names) == 1
@@ -182,18 +190,21 @@ def compile_pieces(
     return results
 
 
-def _compile(piece_gm, examples, key: str, disk: cache.PieceCache, dynamic: str | None = None):
-    """(outcome, seconds, reason, output_code, key) for one distinct piece; ``dynamic`` is
-    standalone_compile's ``dynamic_shapes`` (default: Dynamo's symbolic sizes)."""
+def _compile(
+    piece_gm, examples, key: str, disk: cache.PieceCache | None, dynamic: str | None = None
+):
+    """(outcome, seconds, reason, output_code, key) for one distinct piece; ``disk`` None keeps
+    it in memory only; ``dynamic`` is standalone_compile's ``dynamic_shapes`` (default:
+    Dynamo's symbolic sizes)."""
     start = time.perf_counter()
     if key in _MEMORY:
         counters.totals["piece_cache_hits"] += 1
         return "memory", 0.0, None, None, key
-    failed = _FAILED.get(key) or disk.failure(key)
+    failed = _FAILED.get(key) or (disk.failure(key) if disk is not None else None)
     if failed is not None:
         _FAILED[key] = failed
         return "eager", 0.0, failed, None, None
-    artifact = disk.load(key)
+    artifact = disk.load(key) if disk is not None else None
     if artifact is not None:
         _MEMORY[key] = artifact
         counters.totals["piece_cache_hits"] += 1
@@ -218,12 +229,46 @@ def _compile(piece_gm, examples, key: str, disk: cache.PieceCache, dynamic: str 
         reason = f"Inductor failed: {type(error).__name__}: {first_line}"
         log.debug("fxsplit: Inductor failed on %s", piece_gm, exc_info=True)
         _FAILED[key] = reason
-        disk.save_failure(key, reason)
+        if disk is not None:
+            disk.save_failure(key, reason)
         return "eager", time.perf_counter() - start, reason, None, None
     _MEMORY[key] = artifact
-    disk.save(key, artifact)
+    if disk is not None:
+        disk.save(key, artifact)
     counters.totals["pieces_compiled"] += 1
     return "compiled", time.perf_counter() - start, None, "\n\n".join(code) or None, key
+
+
+_LIBRARIES = ("torch", "_operator", "operator", "math", "builtins")
+_LITERALS = (int, float, bool, complex, str, type(None), slice, torch.dtype, torch.device)
+_LITERALS += (torch.layout, torch.memory_format, torch.Size, type(Ellipsis))
+
+
+def _objects(part_nodes, gm: GraphModule) -> tuple[tuple[int, ...], bool]:
+    """(ids of the objects the piece's code names without identifying them, whether its code
+    alone identifies the piece across processes). Ops and torch's functions are identified by
+    their qualified names; a user function (``allow_in_graph``), a submodule or a constant
+    object is printed by name or repr, which two different objects can share."""
+    found: list[int] = []
+
+    def visit(value):
+        if not isinstance(value, (Node, *_LITERALS)):
+            found.append(id(value))
+        return value
+
+    for node in part_nodes:
+        target = node.target
+        if node.op == "call_module":
+            found.append(id(gm.get_submodule(target)))
+        elif node.op == "call_function" and not isinstance(
+            target,
+            (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator),
+        ):
+            module = getattr(target, "__module__", None) or ""
+            if module.split(".")[0] not in _LIBRARIES:
+                found.append(id(target))
+        torch.fx.node.map_aggregate((node.args, node.kwargs), visit)
+    return tuple(found), not found
 
 
 def _specialise_floats(split, groups, nodes, grad_at_entry: bool) -> None:
@@ -256,7 +301,7 @@ def _specialise_floats(split, groups, nodes, grad_at_entry: bool) -> None:
         raise RestartAnalysis
 
 
-def _specialise(piece_gm, examples, layouts, kind: str, disk, size, sizes):
+def _specialise(piece_gm, examples, layouts, key: str, disk, size, sizes):
     """(argument index, {size: artifact}) for the ``compile_sizes`` of one piece: compiled on
     concrete inputs, the token count at each size, other sizes at their traced values."""
     if not sizes or not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
@@ -277,15 +322,17 @@ def _specialise(piece_gm, examples, layouts, kind: str, disk, size, sizes):
         None,
     )
     shared = any(isinstance(lay, tuple) and lay[-1] != k for k, lay in enumerate(layouts[0]))
-    if size_arg is None or shared:  # no token count here, or inputs sharing storage
+    if size_arg is None or shared or _symbols(examples) != {symbol}:
+        # no token count here, inputs sharing storage, or other sizes or host values that a
+        # compile for one token count would freeze while the key reads the token count alone
         return None, None
     sized = {}
     for n in sizes:
         concrete = [_at(value, symbol, n) for value in examples]
-        key = cache.key(piece_gm.code, (layouts, n), kind)
-        outcome = _compile(piece_gm, concrete, key, disk, dynamic="from_example_inputs")
+        sized_key = f"{key}-size{n}"
+        outcome = _compile(piece_gm, concrete, sized_key, disk, dynamic="from_example_inputs")
         if outcome[0] != "eager":
-            sized[n] = _MEMORY[key]
+            sized[n] = _MEMORY[sized_key]
     return size_arg, sized
 
 
@@ -329,10 +376,18 @@ def _not_compiled(split, i: int, nodes: dict[str, Node], grad_at_entry: bool) ->
             return f"input {name} is a {type(value).__name__}, not a tensor or a size"
         if grad_at_entry and isinstance(value, torch.Tensor) and value.requires_grad:
             return f"input {name} requires grad (compiled pieces are for inference)"
+    storages: dict[object, str] = {}
     for name in module.output_names:
         value = nodes[name].meta.get("example_value")
         if not isinstance(value, (torch.Tensor, torch.SymInt)):
             return f"output {name} is a {type(value).__name__}, not a tensor or a size"
+        if isinstance(value, torch.Tensor):
+            # AOTAutograd regenerates an output that views another output with the sizes it
+            # traced, which would freeze a dynamic size
+            storage = torch.multiprocessing.reductions.StorageWeakRef(value.untyped_storage())
+            if storage in storages:
+                return f"outputs {storages[storage]} and {name} share storage"
+            storages[storage] = name
     return None
 
 
@@ -393,23 +448,30 @@ def _layouts(examples) -> tuple:
     return tuple(out)
 
 
-def _assumptions(examples) -> tuple[str, ...]:
-    """What Dynamo's shape environment knows about the sizes of ``examples`` (its guards and
-    value ranges on their symbols): Inductor may simplify with it, so an artifact is shared,
-    and found in the cache, only where it is the same."""
-    symbols, shape_env = set(), None
+def _symbolic(examples):
+    """The symbolic sizes, strides, offsets and host values among the inputs."""
     for value in examples:
         dims = ()
         if isinstance(value, torch.Tensor):
             dims = (*value.shape, *value.stride(), value.storage_offset())
         elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             dims = (value,)
-        for dim in dims:
-            if isinstance(dim, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-                symbols |= dim.node.expr.free_symbols
-                shape_env = dim.node.shape_env
-    if shape_env is None:
+        yield from (d for d in dims if isinstance(d, (torch.SymInt, torch.SymFloat, torch.SymBool)))
+
+
+def _symbols(examples) -> set:
+    """The free symbols of the inputs' sizes, strides, offsets and host values."""
+    return {symbol for dim in _symbolic(examples) for symbol in dim.node.expr.free_symbols}
+
+
+def _assumptions(examples) -> tuple[str, ...]:
+    """What Dynamo's shape environment knows about the sizes of ``examples`` (its guards and
+    value ranges on their symbols): Inductor may simplify with it, so an artifact is shared,
+    and found in the cache, only where it is the same."""
+    dim = next(_symbolic(examples), None)
+    if dim is None:
         return ()
+    shape_env, symbols = dim.node.shape_env, _symbols(examples)
     guards = sorted(str(g.expr) for g in shape_env.guards if g.expr.free_symbols & symbols)
     ranges = [f"{s}:{shape_env.var_to_range.get(s)}" for s in sorted(symbols, key=str)]
     return (*guards, *ranges)
