@@ -56,8 +56,8 @@ class ConfigChecks:
         """Warn once per mistake the graphs compiled so far show:
 
         * a ``splitting_ops`` / ``module_regions`` / ``eager_modules`` pattern no node matched;
-        * a configured region name (``eager_regions``, a ``module_regions`` value) no node
-          carries and no runner knows, close to one that is known (``"attenion"``);
+        * a region name (``eager_regions``, a ``module_regions`` value, a ``fxsplit.region``
+          in model code) no runner knows, close to one that is known (``"attenion"``);
         * a runner that wants regions eager where no node is in any region and nothing is eager
           (attention, if any, is then captured with everything else).
         """
@@ -75,15 +75,17 @@ class ConfigChecks:
             for pattern in sorted(self._unmatched - self._matched - self._warned)
         ]
         known = {r for name in runners.names() for r in runners.get(name).eager_regions}
-        known |= self._regions_seen
-        for name in sorted(self._configured_regions - known):
+        # A misspelt name marks nodes too (fxsplit.region("atention"), a module_regions value):
+        # it is judged against the names runners know, whether nodes carry it or not.
+        named = self._configured_regions | self._regions_seen
+        for name in sorted(named - known):
             close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.8)
             if close and f"region:{name}" not in self._warned:
                 due.append(
                     (
                         f"region:{name}",
-                        f"fxsplit: region {name!r} is carried by no node and no runner knows "
-                        f"it; did you mean {' or '.join(map(repr, close))}?",
+                        f"fxsplit: no runner knows region {name!r}, so no runner runs it "
+                        f"eagerly; did you mean {' or '.join(map(repr, close))}?",
                     )
                 )
         if (

@@ -151,6 +151,26 @@ def test_regions_only_after_a_graph_break_do_not_warn():
             compiled(torch.randn(3, 4))
 
 
+@pytest.mark.parametrize("where", ["model", "module_regions"])
+def test_misspelt_region_marking_nodes_warns(where):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            if where == "model":
+                with fxsplit.region("atention"):
+                    return self.proj(x).softmax(-1)
+            return self.proj(x).softmax(-1)
+
+    options = {"module_regions": {"Linear": "atention"}} if where == "module_regions" else {}
+    compiled = torch.compile(Net(), backend=fxsplit.Backend(**options))
+    with pytest.warns(UserWarning, match="'atention'.*did you mean 'attention'"):
+        compiled(torch.randn(3, 4))
+        compiled(torch.randn(3, 4))
+
+
 def test_misspelt_region_name_warns_once_with_close_matches():
     def f(x):
         with fxsplit.region(fxsplit.ATTENTION):

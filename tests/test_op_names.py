@@ -47,3 +47,18 @@ def test_operator_on_host_values_has_no_op_name():
     node = graph.call_function(operator.add, (a, 1))
     a.meta["example_value"] = 3
     assert op_names(node) is None
+
+
+def test_dropout_in_eval_mode_draws_nothing():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.1)
+
+        def forward(self, x):
+            return self.drop(x.sin()) + torch.nn.functional.dropout(x, 0.2, False)
+
+    net = Net().eval()
+    assert [p.random for p in fxsplit.explain(net, torch.randn(2, 4))[0].pieces] == [False]
+    torch._dynamo.reset()
+    assert [p.random for p in fxsplit.explain(net.train(), torch.randn(2, 4))[0].pieces] == [True]

@@ -186,9 +186,9 @@ def test_graph_break_inside_region_warns_once():
     assert not fxsplit_warnings(record)
 
 
-def test_region_run_eagerly_past_the_recompile_limit_names_that_cause(monkeypatch):
+@torch._dynamo.config.patch(recompile_limit=2)  # not monkeypatch: pytest 9.2 deletes it after
+def test_region_run_eagerly_past_the_recompile_limit_names_that_cause():
     name = unique("limited")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
 
     def f(x, step):
         with fxsplit.region(name):

@@ -8,6 +8,7 @@ torch-level function (``torch.topk``, ``torch._C._nn.linear``) and a Tensor meth
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable
 
@@ -299,12 +300,34 @@ def is_random(node: Node) -> bool:
         return False
     key = (node.op, node.target)
     try:
-        return _RANDOM[key]
+        random = _RANDOM[key]
     except KeyError:
-        found = _RANDOM[key] = _random_op(op_names(node))
-        return found
+        random = _RANDOM[key] = _random_op(op_names(node))
     except TypeError:  # an unhashable target
-        return _random_op(op_names(node))
+        random = _random_op(op_names(node))
+    return random and not _evaluating(node)
+
+
+def _evaluating(node: Node) -> bool:
+    """A seeded op told by its schema's ``train`` / ``training`` argument not to draw (dropout
+    in eval mode returns its input)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.name in ("train", "training"):
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                return value is False
+    # torch.nn.functional.dropout and friends: the Python signature names it ``training``
+    try:
+        bound = inspect.signature(target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # a builtin without a signature, a call_method name
+        return node.kwargs.get("training", node.kwargs.get("train")) is False
+    bound.apply_defaults()
+    arguments = bound.arguments
+    return arguments.get("training", arguments.get("train")) is False
 
 
 def _random_op(names: tuple[str, str | None] | None) -> bool:

@@ -1,4 +1,4 @@
-"""fxsplit: split Dynamo graphs for piecewise CUDA/HIP graph capture (demo, dump, diff)."""
+"""fxsplit: split Dynamo graphs for piecewise CUDA/HIP graph capture (demo, dump, diff, cache)."""
 
 from __future__ import annotations
 
@@ -184,7 +184,14 @@ def _demo(args) -> int:
             hf_architectures.tiny_config(args.model)
         except (ValueError, ImportError) as error:
             raise UsageError(str(error)) from None
-    return demo.run(args.model, compile_pieces=args.compile_pieces)
+    try:
+        return demo.run(args.model, compile_pieces=args.compile_pieces)
+    except ModuleNotFoundError as error:
+        if args.model is None:
+            raise
+        raise UsageError(
+            f"{args.model} needs the Python package {error.name!r} (pip install {error.name})"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:
