@@ -682,15 +682,19 @@ def test_compiled_equals_eager(case):
 
 
 @settings(max_examples=int(os.environ.get("FXSPLIT_INDUCTOR_EXAMPLES", 8)), derandomize=True)
-@given(case=cases())
-def test_inductor_pieces_equal_eager(case, tmp_path_factory):
+@given(case=cases(), sized=st.booleans())
+def test_inductor_pieces_equal_eager(case, sized, tmp_path_factory):
     """A sample of the property with captured pieces compiled by Inductor (its C++ compile
-    costs seconds per distinct piece: 8 programs in CI, FXSPLIT_INDUCTOR_EXAMPLES for more)."""
+    costs seconds per distinct piece: 8 programs in CI, FXSPLIT_INDUCTOR_EXAMPLES for more);
+    half of them with ``compile_sizes`` (a compile per token count must not freeze the int
+    argument or another size)."""
     folder = str(tmp_path_factory.getbasetemp() / "inductor_property")
     compiled = {**case.options, "compile_pieces": "inductor", "cache_dir": folder}
+    if sized:
+        compiled["compile_sizes"] = [case.sizes[0]]
     backend = run_case(dataclasses.replace(case, options=compiled))
     outcomes = {r.outcome for split in backend.compiled for r in split.compiled_pieces or ()}
-    event(f"piece outcomes: {sorted(outcomes)}")
+    event(f"piece outcomes: {sorted(outcomes)}, compile_sizes: {sized}")
 
 
 def test_feature_frequencies_at_least_ten_percent():
