@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.emulator import CaptureError, EmulatedGraph
 
 
@@ -178,15 +179,24 @@ def test_capture_twice_needs_reset_and_reset_frees():
     out = g.capture(lambda t: (t + 1) * 2, x)
     with pytest.raises(RuntimeError, match="reset"):
         g.capture(lambda t: t, x)
+    g.reset()
+    assert g.num_ops == 0 and not g.captured
+    g.capture(lambda t: t - 1, x)
+    assert g.captured and torch.equal(out, (x + 1) * 2)
+
+
+def test_the_record_holds_no_output_and_a_dropped_output_frees_its_block():
+    """As in a CUDA pool, the graph keeps the memory's address, not the tensor: an output the
+    program drops frees its block (a later capture may take it), the record still writes there."""
+    x = torch.randn(1024)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: (t + 1) * 2, x)
+    held = g.pool.allocated_bytes
     ref = weakref.ref(out)
     del out
     gc.collect()
-    assert ref() is not None  # the record holds its outputs
-    g.reset()
-    gc.collect()
-    assert ref() is None and g.num_ops == 0 and not g.captured
-    g.capture(lambda t: t - 1, x)
-    assert g.captured
+    assert ref() is None and g.captured
+    assert g.pool.allocated_bytes < held
 
 
 def test_legal_idioms_do_not_raise():
@@ -398,3 +408,78 @@ def test_in_place_metadata_changes_are_not_replayed(change):
         x.copy_(torch.randn(3, 4))
         g.replay()
         assert torch.equal(out, fn(x))
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (3, 4)], ids=["square", "non_square"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: t.t_(),
+        lambda t: t.transpose_(0, 1),
+        lambda t: t.as_strided_((t.shape[1], t.shape[0]), (1, t.shape[1])),
+        lambda t: t.unsqueeze_(0),
+    ],
+    ids=["t_", "transpose_", "as_strided_", "unsqueeze_"],
+)
+def test_metadata_change_of_an_intermediate_replays_with_the_capture_layout(change, shape):
+    """``y = x * 2; y.t_(); return y + 1``: the kernel writing ``y`` replays into ``y``'s memory
+    with the layout it had when it ran; the output keeps the layout it had at the end of capture.
+    (Before, replays wrote through the changed layout: wrong on a square ``x``, a shape error on
+    a non-square one.)"""
+
+    def fn(x):
+        y = x * 2
+        change(y)
+        return y + 1, y
+
+    x = torch.randn(*shape)
+    g = EmulatedGraph()
+    out, y_out = g.capture(fn, x)
+    for step in range(3):
+        x.copy_(torch.randn(*shape))
+        g.replay()
+        want, want_y = fn(x)
+        assert out.shape == want.shape and torch.equal(out, want), step
+        assert y_out.stride() == want_y.stride() and torch.equal(y_out, want_y), step
+
+
+def test_graphs_sharing_a_pool_reuse_scratch_and_replays_out_of_order_overwrite():
+    """Two graphs in one pool: the second capture's output lands in the first graph's scratch
+    (freed when the first capture ended). Replays in capture order are right; replaying the first
+    graph after the second overwrites the second's output, as in a shared CUDA pool."""
+    pool = EmulatedPool()
+    a, b = torch.randn(4096), torch.randn(4096)
+    first, second = EmulatedGraph(pool), EmulatedGraph(pool)
+    first_out = first.capture(lambda t: ((t + 1) * 3).sum(0, keepdim=True), a)
+    second_out = second.capture(lambda t: t * 5, b)
+    in_scratch = {blk.offset for seg in pool.segments for blk in seg.blocks if blk.ref}
+    assert len(in_scratch) == 2  # first's output, second's output; first's scratch reused
+    first.replay()
+    second.replay()
+    assert torch.equal(first_out, ((a + 1) * 3).sum(0, keepdim=True))
+    assert torch.equal(second_out, b * 5)
+    first.replay()  # out of capture order: its scratch write lands on second's output
+    assert not torch.equal(second_out, b * 5)
+
+
+def test_a_block_freed_during_capture_is_reused_within_the_same_capture():
+    pool = EmulatedPool()
+    g = EmulatedGraph(pool)
+
+    seen = []
+
+    def fn(t):
+        u = t + 1
+        seen.append(u.data_ptr())
+        v = u * 2
+        del u  # its block is free for w, as with the caching allocator
+        w = v - 3
+        seen.append(w.data_ptr())
+        return w
+
+    x = torch.randn(4096)
+    out = g.capture(fn, x)
+    assert seen[0] == seen[1]
+    x.copy_(torch.randn(4096))
+    g.replay()
+    assert torch.equal(out, (x + 1) * 2 - 3)

@@ -30,8 +30,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fxsplit.collectives import is_collective
+from fxsplit.runtime.emulated_pool import EmulatedPool
 
 __all__ = ["CaptureError", "EmulatedGraph", "call_opaque"]
 
@@ -222,6 +224,8 @@ _ACTION_NAMES = {
     _COLLECTIVE: "run+wait",
 }
 _SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+# Tensor types the recorder aliases and moves into the pool; subclasses are recorded as they are.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _wait_tensor(t: torch.Tensor) -> None:
@@ -322,11 +326,25 @@ def _run_hop(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 class _Recorder(TorchDispatchMode):
+    """Records every op of a capture as a replay step.
+
+    The record never holds the program's tensor objects: each tensor an op reads or writes is
+    recorded as an *alias* made when the op ran (same memory, that moment's size, stride and
+    offset), because a CUDA graph replays kernels on fixed addresses and layouts, so an in-place
+    metadata change made later (``t_()``, ``unsqueeze_()``, ``as_strided_()``) must not reach
+    steps recorded before it. Every tensor an op makes is moved into the graph's
+    :class:`~fxsplit.runtime.emulated_pool.EmulatedPool` (its memory reused as a CUDA pool's
+    is), except collectives' results, which their ``wait_tensor`` finds by identity, and tensors
+    that require grad (the capture refuses those outputs).
+    """
+
     def __init__(self, graph: EmulatedGraph) -> None:
         super().__init__()
         self.graph = graph
+        self.pool = graph.pool
         self.steps: list[tuple] = []
         self.actions: list[tuple[str, str]] = []
+        self._aliases: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     # A higher-order op records and replays as one unit, like a custom op: replay re-runs it on
     # the recorded tensors, with the host values (a ``cond`` predicate on a size) frozen.
@@ -341,27 +359,59 @@ class _Recorder(TorchDispatchMode):
             if bad is not None:
                 self.graph._fail(*bad)
             out = _run_checked(self.graph, func, args, kwargs)
-        self._record(func, args, kwargs, out)
-        return out
+        return self._record(func, args, kwargs, out)
 
-    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def _alias(self, value: Any) -> Any:
+        """The record's stand-in for a tensor the program holds (see the class docstring)."""
+        if not isinstance(value, torch.Tensor) or type(value) not in _PLAIN:
+            return value
+        layout = (
+            value.untyped_storage()._cdata,
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+        )
+        hit = self._aliases.get(value)
+        if hit is not None and hit[1] == layout:
+            return hit[0]
+        alias = self.pool.record_view(value)
+        if alias is None:
+            with torch.no_grad():
+                alias = value.as_strided(value.shape, value.stride(), value.storage_offset())
+        self._aliases[value] = (alias, layout)
+        return alias
+
+    def _adopt(self, value: Any, copy: bool = True) -> Any:
+        if (
+            isinstance(value, torch.Tensor)
+            and type(value) in _PLAIN
+            and value.layout == torch.strided
+            and not value.requires_grad
+            and value.device == self.pool.device
+        ):
+            return self.pool.adopt(value, copy)
+        return value
+
+    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
+        """Record ``func``'s call; returns ``out`` as the program gets it (moved into the
+        pool)."""
         name = _op_name(func)
         if func in _ALLOC_OPS:
             self.actions.append((name, "skip:alloc"))
-            return
+            return self._adopt(out, copy=False)
         if torch.Tag.inplace_view in getattr(func, "tags", ()):
             # unsqueeze_, t_, as_strided_, ...: a CUDA graph replays kernels, never the metadata
-            # change, which happened once, at capture, on the recorded tensor.
+            # change, which happened once, at capture, on the program's tensor.
             self.actions.append((name, "skip:metadata"))
-            return
+            return out
         if func in _CONSTANT_OPS and isinstance(out, torch.Tensor):
-            self.steps.append((_RESTORE, None, out.clone(), None, out))
+            self.steps.append((_RESTORE, None, out.clone(), None, self._alias(out)))
             self.actions.append((name, "restore"))
-            return
+            return out
         flat_in, spec = tree_flatten((args, kwargs))
-        if any(isinstance(a, _SYM_TYPES) for a in flat_in):
-            args, kwargs = tree_unflatten([_freeze_sym(a) for a in flat_in], spec)
         in_ptrs = {_storage_ptr(a) for a in flat_in if isinstance(a, torch.Tensor)} - {None}
+        flat_in = [self._alias(_freeze_sym(a)) for a in flat_in]
+        args, kwargs = tree_unflatten(flat_in, spec)
 
         def fresh(t: Any) -> bool:
             # A result sharing storage with an argument is a view / alias (or the mutated
@@ -376,13 +426,14 @@ class _Recorder(TorchDispatchMode):
             # (skipped). The replay waits right after issuing instead, then copies, so every
             # rank issues its collectives in the recorded order and reads only finished results.
             leaves = tree_leaves(out)
-            copies = tuple((i, t) for i, t in enumerate(leaves) if fresh(t))
+            copies = tuple((i, self._alias(t)) for i, t in enumerate(leaves) if fresh(t))
             self.steps.append((_COLLECTIVE, call, args, kwargs, copies))
             self.actions.append((name, _ACTION_NAMES[_COLLECTIVE]))
-            return
+            return out
         if isinstance(out, torch.Tensor):
             if fresh(out):
-                step = (_COPY1, call, args, kwargs, out)
+                out = self._adopt(out)
+                step = (_COPY1, call, args, kwargs, self._alias(out))
             elif mutable:
                 step = (_RUN, call, args, kwargs, None)
             else:
@@ -391,24 +442,29 @@ class _Recorder(TorchDispatchMode):
             # No tensor result: keep it only for its side effects (mutation, asserts, custom ops).
             step = (_RUN, call, args, kwargs, None)
         else:
-            if isinstance(out, (tuple, list)) and not any(
+            flat = isinstance(out, (tuple, list)) and not any(
                 isinstance(o, (tuple, list, dict)) for o in out
-            ):
-                kind, leaves = _COPYN, list(out)
-            else:
-                kind, leaves = _COPYTREE, tree_leaves(out)
-            copies = tuple((i, t) for i, t in enumerate(leaves) if fresh(t))
+            )
+            leaves, out_spec = (list(out), None) if flat else tree_flatten(out)
+            flags = [fresh(t) for t in leaves]
+            if any(flags):
+                leaves = [self._adopt(t) if f else t for t, f in zip(leaves, flags, strict=True)]
+                out = type(out)(leaves) if flat else tree_unflatten(leaves, out_spec)
+            copies = tuple(
+                (i, self._alias(t)) for i, (t, f) in enumerate(zip(leaves, flags, strict=True)) if f
+            )
             if copies:
-                step = (kind, call, args, kwargs, copies)
+                step = (_COPYN if flat else _COPYTREE, call, args, kwargs, copies)
             elif mutable or not any(isinstance(t, torch.Tensor) for t in leaves):
                 step = (_RUN, call, args, kwargs, None)
             else:
                 step = None
         if step is None:
             self.actions.append((name, "skip:view"))
-            return
+            return out
         self.steps.append(step)
         self.actions.append((name, _ACTION_NAMES[step[0]]))
+        return out
 
 
 def call_opaque(fn: Callable, args: tuple) -> Any:
@@ -424,8 +480,7 @@ def call_opaque(fn: Callable, args: tuple) -> Any:
         return fn(*args)
     with torch.utils._python_dispatch._disable_current_modes():
         out = fn(*args)
-    graph._recorder._record(fn, args, {}, out)
-    return out
+    return graph._recorder._record(fn, args, {}, out)
 
 
 class _HostReadGuard(TorchFunctionMode):
@@ -543,10 +598,17 @@ class EmulatedGraph:
 
     Semantics reproduced:
 
-    * Frozen addresses: replay uses the tensor objects recorded at capture. Data copied into a
-      recorded input in place is seen; passing a different tensor object is not (stale read).
+    * Frozen addresses and layouts: replay uses the memory and the size, stride and offset each
+      op saw at capture. Data copied into a recorded input in place is seen; passing a different
+      tensor object is not (stale read); a later in-place metadata change of a tensor
+      (``t_()``) does not reach ops recorded before it.
     * Frozen host values: Python scalars, shapes and ints (SymInts are specialised) seen at
       capture are baked into the record.
+    * One memory pool (:class:`~fxsplit.runtime.emulated_pool.EmulatedPool`, ``pool``; a
+      private one by default): every tensor an op makes during capture lives in the pool, and a
+      block freed during one capture (scratch) is handed to later allocations of this or another
+      capture into the same pool, as the caching allocator does. Replaying a graph rewrites its
+      scratch, so replays out of capture order overwrite later graphs' outputs, as on CUDA.
     * Outputs are the recorded tensors, overwritten in place by every replay; replay never
       allocates new outputs. Pure allocations (``empty*``, ``new_empty*``) are not replayed, so
       such memory keeps whatever it held before, as on CUDA.
@@ -574,6 +636,9 @@ class EmulatedGraph:
     * Replaying another ``EmulatedGraph`` during a capture records its ops into this one (the
       way a graph launch inside capture becomes a child graph).
 
+    Args:
+        pool: the memory pool captures allocate from; a private one when None.
+
     Caveats (what a CPU emulator cannot see):
 
     * Every tensor is a CPU tensor, so host tensors that would legitimately stay on the CPU on a
@@ -589,12 +654,15 @@ class EmulatedGraph:
       ``.item()`` or ``nonzero`` inside is caught), but host reads that never reach the dispatcher
       on CPU (``.tolist()``, ``.numpy()``) inside a kernel are not: torch-function modes are off
       inside dispatcher kernels.
+    * Collectives' results stay outside the pool (their ``wait_tensor`` finds them by identity),
+      and so do tensors that require grad.
     * Replay runs without autograd (under ``inference_mode``, which may write the inference
       tensors a piece made inside its own inference_mode block) and with autocast disabled (the
       record already holds the autocast casts).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pool: EmulatedPool | None = None) -> None:
+        self.pool = pool if pool is not None else EmulatedPool()
         self._steps: tuple[tuple, ...] | None = None
         self._actions: tuple[tuple[str, str], ...] = ()
         self._error: CaptureError | None = None
@@ -626,6 +694,7 @@ class EmulatedGraph:
         self._error = None
         recorder = self._recorder = _Recorder(self)
         _tls.active = self
+        self.pool.capture_begin()
         try:
             with _patched_syncs(), _HostReadGuard(self), recorder:
                 result = fn(*args, **kwargs)
@@ -638,6 +707,7 @@ class EmulatedGraph:
         finally:
             _tls.active = None
             self._recorder = None
+            self.pool.capture_end()
         if self._error is not None:
             err, self._error = self._error, None
             raise CaptureError(
