@@ -15,8 +15,9 @@ from fxsplit.explain import explain
 from fxsplit.plan import Piece, SplitPlan
 from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER, region
 from fxsplit.runtime.binding import BindingError
-from fxsplit.runtime.captured import VerifyError
+from fxsplit.runtime.captured import CaptureRefusedError, VerifyError
 from fxsplit.runtime.emulator import CaptureError
+from fxsplit.runtime.output_lifetime import StaleOutputError
 
 try:
     __version__ = version("fxsplit")
@@ -30,10 +31,12 @@ __all__ = [
     "Backend",
     "BindingError",
     "CaptureError",
+    "CaptureRefusedError",
     "Config",
     "Piece",
     "RankMismatchError",
     "SplitPlan",
+    "StaleOutputError",
     "VerifyError",
     "counters",
     "explain",

@@ -24,8 +24,6 @@ from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
 from fxsplit.runtime.binding import is_static_input
 from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime, size_input_index
-from fxsplit.runtime.graphs import DeviceCapture
-from fxsplit.runtime.strict import StrictInputs
 from fxsplit.tools import dump
 
 log = logging.getLogger("fxsplit")
@@ -55,8 +53,11 @@ class Backend:
         self.compiled: list[Split] = []
         self.runtimes: list[GraphRuntime] = []
         self._dumps: list[tuple[object, GraphRuntime | None]] = []
-        self._captures: dict[torch.device, DeviceCapture] = {}
         self._session = CaptureSession()
+        # Outputs handed out of the pools must not outlive the pools' memory, also when the
+        # backend is collected without a reset.
+        self._sessions = [self._session]
+        weakref.finalize(self, _close_sessions, self._sessions)
         self._count = 0
         self._lock = threading.Lock()
         self.checks = ConfigChecks()
@@ -167,13 +168,15 @@ class Backend:
         if config.check_ranks:  # before anything can capture
             check_ranks(graph_id, plan, result.graph_module)
         runtime = None
+        if mode == "off" and config.binding == "strict":
+            mode = "check"  # nothing captured; persistent inputs checked as a capture would
         if mode != "off":
             runtime = GraphRuntime(
                 result,
                 config,
                 mode,
                 example_inputs,
-                self._device_capture(mode, device),
+                self._session.pool(mode, device) if mode != "check" else None,
                 device,
                 self._session,
                 frame,
@@ -190,32 +193,10 @@ class Backend:
             self._dumps.append((folder, runtime))
             _BACKENDS_WITH_DUMPS.add(self)
             log.info("fxsplit %s: dump in %s", graph_id, folder)
-        compiled = runtime if runtime is not None else self._uncaptured(result, config, frame)
+        compiled = runtime if runtime is not None else result.materialised.stitched.forward
         if self.checks.pending:
             return WarnOnSecondCall(compiled, self.checks.warn)
         return compiled
-
-    def _uncaptured(self, result: Split, config: Config, frame: Frame | None) -> Callable:
-        stitched = result.materialised.stitched
-        if config.binding == "strict" and not (frame is not None and frame.model_values):
-            placeholders = list(stitched.graph.find_nodes(op="placeholder"))
-            return StrictInputs(
-                stitched.forward,
-                placeholders,
-                result.plan.graph_id,
-                config.warmup_runs,
-                self._session,
-            )
-        return stitched.forward
-
-    def _device_capture(self, mode: str, device: torch.device) -> DeviceCapture | None:
-        """The memory pool and capture stream shared by this backend's graphs on ``device``."""
-        if mode != "cuda":
-            return None
-        shared = self._captures.get(device)
-        if shared is None:
-            shared = self._captures[device] = DeviceCapture(device)
-        return shared
 
     @property
     def stats(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
@@ -266,12 +247,19 @@ class Backend:
         for runtime in self.runtimes:
             runtime.reset()
         self.runtimes.clear()
-        self._session.outputs.clear()
-        self._captures.clear()
+        _close_sessions(self._sessions)
+        self._session = CaptureSession()
+        self._sessions.append(self._session)
         self.plans.clear()
         self.compiled.clear()
         self._count = 0
         self.checks.reset()
+
+
+def _close_sessions(sessions: list[CaptureSession]) -> None:
+    for session in sessions:
+        session.close()
+    sessions.clear()
 
 
 def _frame() -> Frame | None:

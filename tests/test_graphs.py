@@ -80,21 +80,24 @@ def test_failed_capture_raises_the_original_error_and_moves_to_a_fresh_pool(fake
     def illegal():
         raise RuntimeError("operation not permitted when stream is capturing (.item())")
 
+    graph = graphs.CudaGraph(shared)
     with pytest.raises(RuntimeError, match="not permitted when stream is capturing"):
-        graphs.CudaGraph(shared).capture(illegal)
-    failed = _Graph.made[-1]
+        graph.capture(illegal)
+    failed = graph._graph
     assert failed.calls[0] == ("begin", first_pool, "thread_local")
     assert ("end",) in failed.calls and ("reset",) in failed.calls
     assert fake_cuda == [(0, first_pool)]  # the allocator stops recording into the old pool
     assert shared.pool != first_pool and shared.renewals == 1
 
-    out = graphs.CudaGraph(shared).capture(lambda: "ok")  # the next capture works
-    assert out == "ok" and _Graph.made[-1].calls[0] == ("begin", shared.pool, "thread_local")
+    graph = graphs.CudaGraph(shared)
+    out = graph.capture(lambda: "ok")  # the next capture works, in the new pool
+    assert out == "ok" and graph._graph.calls[0] == ("begin", shared.pool, "thread_local")
 
 
 def test_capture_end_failure_also_releases_and_renews_the_pool(fake_cuda):
     shared = graphs.DeviceCapture(torch.device("cuda", 0))
     first_pool = shared.pool
+    shared.keep_alive()
     _Graph.fail_end = True
     with pytest.raises(RuntimeError, match="previous error during capture"):
         graphs.CudaGraph(shared).capture(lambda: "fn swallowed its own error")
@@ -106,7 +109,24 @@ def test_every_capture_on_a_device_uses_one_stream_and_one_pool(fake_cuda):
     for _ in range(3):
         graphs.CudaGraph(shared).capture(lambda: None)
     assert {g.calls[0] for g in _Graph.made} == {("begin", shared.pool, "thread_local")}
-    assert len(shared.stream.waited) == 3 and shared.renewals == 0
+    # three captures and the pool's keeper
+    assert len(shared.stream.waited) == 4 and shared.renewals == 0
+
+
+def test_an_empty_keeper_graph_holds_each_pool_before_its_first_capture(fake_cuda):
+    """A graph reset right after its capture (an output that requires grad) must not free the
+    pool: the allocator would then fail the next capture_begin on that handle."""
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    first = graphs.CudaGraph(shared)
+    first.capture(lambda: None)
+    keeper = _Graph.made[1]  # made after the first graph, captured before it
+    assert keeper.calls == [("begin", shared.pool, "thread_local"), ("end",)]
+    first.reset()
+    graphs.CudaGraph(shared).capture(lambda: None)
+    assert len(_Graph.made) == 3 and ("reset",) not in keeper.calls  # one keeper per pool
+    shared.renew("test")
+    graphs.CudaGraph(shared).capture(lambda: None)
+    assert len(_Graph.made) == 5 and _Graph.made[4].calls[0][1] == shared.pool
 
 
 def test_reset_of_captured_graphs_takes_a_fresh_pool(fake_cuda, monkeypatch):
@@ -129,7 +149,7 @@ def test_reset_of_captured_graphs_takes_a_fresh_pool(fake_cuda, monkeypatch):
         for _ in range(3):
             model(torch.randn(3, 4))
     runtime = backend.runtimes[0]
-    runtime.device_capture = shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    runtime.pool.cuda = shared = graphs.DeviceCapture(torch.device("cuda", 0))
     pool = shared.pool
     assert runtime.reset() > 0
     assert shared.pool != pool and shared.renewals == 1

@@ -74,10 +74,10 @@ def test_capturable_hops_are_captured_and_replayed(fn, kwargs):
 
 
 @pytest.mark.parametrize("fn", [_tensor_cond, _while], ids=["cond_tensor_predicate", "while"])
-def test_hops_that_read_a_tensor_on_the_host_run_uncaptured(fn, caplog):
-    counts = _run(fn, [8, 8, 8, 8], fullgraph=True)
+def test_hops_that_read_a_tensor_on_the_host_run_uncaptured(fn):
+    with pytest.warns(UserWarning, match=r"runs uncaptured: CaptureError: Tensor.__bool__"):
+        counts = _run(fn, [8, 8, 8, 8], fullgraph=True)
     assert counts["captures"] == 0 and counts["replays"] == 0
-    assert "Tensor.__bool__" in caplog.text
 
 
 def test_emulated_cond_replays_the_branch_frozen_at_capture():

@@ -236,7 +236,7 @@ def test_v1_narrow_plan_copies_metadata_every_step_wide_plan_copies_none():
     narrow, narrow_backend = _ds_compiled(**PREP_CAPTURED, verify=True)  # default "copy"
     assert _equal(_ds_run(narrow, batches), expected)
     prep = _prep_pieces(narrow_backend)
-    checked = 0
+    copies: Counter = Counter()  # pieces reading one input share one static buffer
     for piece in narrow_backend.runtimes[0].pieces:
         if piece.name not in prep:
             continue
@@ -245,9 +245,10 @@ def test_v1_narrow_plan_copies_metadata_every_step_wide_plan_copies_none():
         )
         assert replays == len(batches) - 2
         for name in _metadata_inputs(piece):
-            assert piece.stats.copies_by_input[name] == replays, (piece.name, name)
-            checked += 1
-    assert checked >= len(METADATA)
+            copies[name] += piece.stats.copies_by_input[name]
+    assert len(copies) >= len(METADATA)
+    # every replayed step copies each metadata input once (its fresh tensor changed)
+    assert set(copies.values()) == {len(batches) - 2}, copies
 
 
 def test_v2_persistent_buffers_prep_captured_equals_eager_under_strict():
@@ -529,18 +530,20 @@ def _syncing(x):
     return host_sync(x * 2) + 1
 
 
-def test_capture_failure_falls_back_uncaptured_with_one_warning(caplog):
+def test_capture_failure_falls_back_uncaptured_with_one_warning():
     model, backend = _compile(_syncing)
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="fxsplit"):
+    with torch.no_grad(), pytest.warns(UserWarning) as seen:
         for i in range(4):
             x = torch.full((3,), i - 1.0)
             assert torch.equal(model(x), _syncing(x)), i
     assert [p.kind for p in backend.plans[0].pieces] == ["captured"]
-    warned = [r for r in caplog.records if r.name.startswith("fxsplit")]
-    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
-    assert "piece_0" in warned[0].getMessage() and "item" in warned[0].getMessage()
+    warned = [str(w.message) for w in seen if "runs uncaptured" in str(w.message)]
+    assert len(warned) == 1 and "piece_0" in warned[0] and "item" in warned[0], warned
     total = _piece_totals(backend)["piece_0"]
     assert total["captures"] == 0 and total["uncaptured_runs"] == 4
+    # the capture step and the two calls after it ran uncaptured for that reason
+    ((reason, calls),) = backend.stats["graph_0"]["piece_0"]["refused"].items()
+    assert "item" in reason and calls == 3
 
 
 def test_capture_failure_raises_with_on_capture_error_raise():
@@ -572,20 +575,6 @@ def test_capture_failure_fallback_runs_side_effects_once():
 
 # ---------------------------------------------------------------------------------------------
 # 5. Outputs
-
-
-def test_replay_overwrites_the_previous_output():
-    """Output lifetime: a replay writes into the tensors the previous call returned."""
-    net = _net()
-    model, _ = _compile(net, eager_regions=[MID])
-    with torch.no_grad():
-        model(_x(2, 0))
-        held = model(_x(2, 1))  # capture: held is the piece's static output
-        before = held.clone()
-        new = model(_x(2, 2))  # replay
-    assert new is held or new.data_ptr() == held.data_ptr()
-    assert not torch.equal(held, before)
-    assert torch.equal(held, net(_x(2, 2)))
 
 
 def test_clone_outputs_keeps_the_previous_output():

@@ -60,6 +60,9 @@ class Bind(enum.IntEnum):
     ADDRESS = 3
     #: the caller's capture-step tensor, never checked (``input_binding="trust"``: unsafe)
     TRUST = 4
+    #: a runner input that is a view of a parameter or buffer (``model(x, self.cache[0])``):
+    #: frozen memory, bound by address; elsewhere the call runs uncaptured
+    PINNED = 5
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,23 @@ def bind(spec: InputSpec, binding: str, produced: bool) -> Bind:
         if binding == "trust":
             return Bind.TRUST
     return Bind.OWN
+
+
+def moved_error(where: str, name: str, source: str, now: int, was: int, reads: str) -> BindingError:
+    """The one :class:`BindingError` message of strict binding, capture on or off.
+
+    Args:
+        where: the piece (or graph) and its regions.
+        name / source: the input's node name and Dynamo source.
+        now / was: the address handed in now and the one fixed at capture.
+        reads: what holds the fixed address ("the captured graph reads", ...).
+    """
+    return BindingError(
+        f"{where}: input {name!r} from {source} is at 0x{now:x}, but {reads} 0x{was:x}; with "
+        "input_binding='strict' a runner must hand the same tensor every step (use persistent "
+        "buffers, or input_binding='copy'). Checked with capture off too, so a CPU run fails "
+        "where a GPU run would."
+    )
 
 
 def key_reads(specs: list[InputSpec], inputs: list[Node]) -> tuple[tuple[int, int | None], ...]:

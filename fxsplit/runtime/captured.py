@@ -1,29 +1,37 @@
 """A captured piece at run time: one graph per capture key, bound inputs, replay.
 
-Hot path per call (:meth:`CapturedPiece.__call__`): build the key, look up its entry, bind the
-inputs (:mod:`fxsplit.runtime.binding`: copy a changed value into fxsplit's own buffer, refuse a
-moved persistent tensor), replay, write back what the piece writes, and rebuild outputs that are
-views of an input over the caller's tensor. Parameters are not looked at here: the graph runtime
-checks them once per step. What the piece writes and aliases is read from its
+Hot path per call (:meth:`CapturedPiece.__call__`): build the key, look up its entry, keep the
+pool's replay order (a graph captured before one already replayed in this step is recaptured
+first, see :mod:`fxsplit.runtime.pool`), bind the inputs (:mod:`fxsplit.runtime.binding`: copy a
+changed value into fxsplit's own buffer, refuse a moved persistent tensor), invalidate the handed
+out outputs the replay may overwrite, replay, write back what the piece writes, and rebuild
+outputs that are views of an input over the caller's tensor. Parameters are not looked at here:
+the graph runtime checks them once per step. What the piece writes and aliases is read from its
 :class:`~fxsplit.passes.aliasing.PieceAliasing`, computed once at split time.
+
+With capture off and ``input_binding="strict"`` the same object only checks: the call that would
+capture fixes the addresses of the persistent inputs, later calls of that key are checked as a
+replay would be, and the piece runs uncaptured (so a runner bug fails on a CPU machine as on a
+GPU).
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxsplit import counters
 from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec
-from fxsplit.runtime.graphs import new_graph
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import clone_sharing
 
 _TOTALS = counters.totals
-_OWN, _ADDRESS = Bind.OWN, Bind.ADDRESS
+_OWN, _ADDRESS, _PINNED = Bind.OWN, Bind.ADDRESS, Bind.PINNED
 _increment_version = torch.autograd.graph.increment_version
 
 log = logging.getLogger("fxsplit")
@@ -33,20 +41,41 @@ class VerifyError(RuntimeError):
     """``verify=True`` found a replay whose result differs from running the piece uncaptured."""
 
 
+class CaptureRefusedError(RuntimeError):
+    """Under ``on_capture_error="raise"``: a piece would run uncaptured (the reason is the
+    message: an input layout a captured graph cannot keep, a failed aliasing analysis, grad, the
+    key limit)."""
+
+
 class _Refused(Exception):
     """This call's inputs cannot be captured with their aliasing kept; run it uncaptured."""
+
+
+class _OwnBuffer:
+    """fxsplit's static buffer for one view of a caller's tensor, shared by every capture key
+    and piece of a graph that captured that view (a KV cache handed in as a plain argument is
+    held once); ``mark`` remembers the value last copied in (see
+    :meth:`~fxsplit.runtime.graph_runtime.CaptureSession.sync_mark`)."""
+
+    __slots__ = ("mark", "region", "source", "static")
+
+    def __init__(self, static, region, source):
+        self.static = static
+        self.region = region  # the flat memory under an overlapping (expanded) buffer
+        self.source = source  # weak reference to the caller's storage it mirrors
+        self.mark = None
 
 
 class _Entry:
     """One capture key of a piece: its graph, static buffers, binding table and counters.
 
-    ``checks`` holds ``(i, static, data_ptr, bind)`` per input bound OWN or ADDRESS; ``synced[i]``
-    remembers the value last copied into an OWN buffer (weak reference, version, address), so
-    an unchanged caller tensor is not copied again; ``written`` holds ``(i, static, bind)`` per
-    input the piece writes; ``views`` holds ``(j, i, size, stride, offset, dtype, conj, neg)``
-    per output that is a view of OWN input ``i`` (rebuilt over the caller's tensor after each
-    replay); ``alias_guard`` checks shared storage per call (pieces that write an input);
-    ``regions`` holds the flat memory under OWN buffers of inputs that overlap themselves.
+    ``checks`` holds ``(i, static, data_ptr, bind, buffer)`` per input bound OWN, ADDRESS or
+    PINNED; ``written`` holds ``(i, static, bind, buffer)`` per input the piece writes;
+    ``views`` holds ``(j, i, size, stride, offset, dtype, conj, neg)`` per output that is a view
+    of OWN input ``i`` (rebuilt over the caller's tensor after each replay); ``alias_guard``
+    checks shared storage per call (pieces that write an input); ``order`` is the graph's
+    capture order in the pool; ``owned`` the ids and data pointers of the outputs in fxsplit's
+    memory.
     """
 
     __slots__ = (
@@ -56,36 +85,32 @@ class _Entry:
         "counts",
         "graph",
         "key",
+        "order",
         "outputs",
-        "regions",
+        "owned",
         "statics",
-        "synced",
         "views",
         "written",
     )
 
-    def __init__(self, key, graph, statics, outputs, binds, views, counts, capture_ptrs):
+    def __init__(self, key, graph, statics, outputs, checks, views, counts, capture_ptrs):
         self.key = key
         self.graph = graph
         self.statics = statics
         self.outputs = outputs
         self.counts = counts
         self.capture_ptrs = capture_ptrs
-        self.checks = tuple(
-            (i, s, s.data_ptr(), b)
-            for i, (s, b) in enumerate(zip(statics, binds, strict=True))
-            if b in (_OWN, _ADDRESS)
-        )
-        self.synced: list = [None] * len(statics)
+        self.checks = checks
         self.views = views
         self.written: tuple = ()
         self.alias_guard: _AliasGuard | None = None
-        self.regions: dict[int, torch.Tensor] = {}
+        self.order = -1
+        self.owned: tuple = ()
 
 
 class CapturedPiece(torch.nn.Module):
     """Stands in for a captured :class:`~fxsplit.passes.materialise.PieceModule` in the stitched
-    module when capture is on.
+    module when capture is on (or strict binding is checked with capture off).
 
     Args:
         piece: the piece module (its ``forward`` is the uncaptured code).
@@ -104,12 +129,13 @@ class CapturedPiece(torch.nn.Module):
         self.kind = piece.kind
         self.code = piece.code
         self.run_uncaptured = piece.forward
-        # A compiled piece's kernels are invisible to the emulator: its legality is checked on
-        # the piece's generated Python, whose ops the emulator sees.
+        # A compiled piece's kernels are invisible to the emulator: its capture legality is
+        # checked on the piece's generated Python, run on fake tensors (nothing executes twice).
         self.check_uncompiled = getattr(piece.forward, "eager", None)
         # Triton compiles and autotunes a kernel on its first launch, which a CUDA capture
-        # would record as a failure: a compiled piece runs once before it is captured.
-        compiled = self.check_uncompiled is not None and runtime.mode == "cuda"
+        # would record as a failure: a compiled piece runs once before it is captured (in the
+        # emulator too, whose capture schedule must be CUDA's).
+        compiled = self.check_uncompiled is not None
         self.min_warmups = max(runtime.warmup_runs, 1 if compiled else 0)
         self.specs = specs
         self.aliasing = aliasing
@@ -118,21 +144,33 @@ class CapturedPiece(torch.nn.Module):
         self.runtime = runtime
         self.entries: dict[tuple, _Entry] = {}
         self.warmups: dict[tuple, int] = {}
-        self.failed: str | None = _never_captured(specs, aliasing, plan_piece.devices)
+        # capture off (checking strict binding only): nothing is captured, nothing refused
+        self.failed: str | None = (
+            None if runtime.checking else _never_captured(specs, aliasing, plan_piece.devices)
+        )
+        self._warned: set[str] = set()
         if self.failed is not None:
-            log.warning("fxsplit: %s runs uncaptured: %s", self.name, self.failed)
-        self._refusals: set[str] = set()
+            log.info("fxsplit: %s runs uncaptured: %s", self.name, self.failed)
         self.stats = PieceStats()
         self.key = _key_function(key_reads)
 
     def __call__(self, *inputs):
         runtime = self.runtime
-        if not runtime.capture_step or self.failed is not None:
+        if not runtime.capture_step:
+            return self._uncaptured(inputs, None)
+        if self.failed is not None:
+            self._refuse(self.failed)
             return self._uncaptured(inputs, None)
         key = self.key(inputs)
         entry = self.entries.get(key)
         if entry is None:
             return self._miss(key, inputs)
+        if runtime.checking:
+            self._check(entry, inputs)
+            return self._uncaptured(inputs, key)
+        pool = runtime.pool
+        if not pool.in_order(entry.order):
+            return self._recapture(entry, inputs)
         try:
             self._bind(entry, inputs)
         except _Refused as why:
@@ -140,33 +178,28 @@ class CapturedPiece(torch.nn.Module):
             return self._uncaptured(inputs, key)
         if runtime.verify:
             return self._verified_replay(entry, inputs)
+        pool.before_replay(entry.order)
         entry.graph.replay()
         entry.counts["replays"] += 1
         _TOTALS["replays"] += 1
         return self._results(entry, inputs)
 
     def _bind(self, entry: _Entry, inputs) -> None:
-        """Bring every OWN static buffer up to date and check every ADDRESS one.
+        """Bring every OWN static buffer up to date and check every ADDRESS and PINNED one.
 
         Raises:
             BindingError: a persistent (strict) runner input moved.
             _Refused: the aliasing of this call's inputs cannot be kept by the captured graph.
         """
-        synced = entry.synced
-        for i, static, ptr, bind in entry.checks:
+        for i, static, ptr, bind, buffer in entry.checks:
             value = inputs[i]
             if value is static:
                 continue
-            if bind == _ADDRESS:
+            if bind is not _OWN:
                 if value.data_ptr() == ptr and value.stride() == static.stride():
                     continue
-                if self.runtime.session.produced(value):
-                    raise _Refused(
-                        f"input {self.specs[i].name!r} is bound to the caller's persistent "
-                        "tensor, but this call hands it a value fxsplit produced"
-                    )
-                raise self._moved(i, value, ptr)
-            mark = synced[i]
+                raise self._moved(i, value, ptr, bind)
+            mark = buffer.mark
             if (
                 mark is not None
                 and mark[0]() is value
@@ -174,7 +207,7 @@ class CapturedPiece(torch.nn.Module):
                 and mark[2] == value.data_ptr()
             ):
                 continue
-            region = entry.regions.get(i)
+            region = buffer.region
             if region is None:
                 static.copy_(value)
             elif value.stride() == static.stride():
@@ -184,7 +217,7 @@ class CapturedPiece(torch.nn.Module):
                     f"input {self.specs[i].name!r} overlaps itself (e.g. expanded) and this "
                     "call's strides differ from the capture's"
                 )
-            synced[i] = self.runtime.session.sync_mark(value)
+            buffer.mark = self.runtime.session.sync_mark(value)
             counts = entry.counts
             counts["input_copies"] += 1
             counts["input_copy_bytes"] += value.nbytes
@@ -202,13 +235,27 @@ class CapturedPiece(torch.nn.Module):
                     "from the capture's, so the view cannot be rebuilt over it"
                 )
 
+    def _check(self, entry: _Entry, inputs) -> None:
+        """Capture off: check the persistent inputs as a replay would bind them.
+
+        Raises:
+            BindingError: a persistent (strict) runner input moved.
+        """
+        for i, _, ptr, bind, _ in entry.checks:
+            value = inputs[i]
+            if value.data_ptr() != ptr:
+                error = self._moved(i, value, ptr, bind)
+                if isinstance(error, BindingError):
+                    raise error
+
     def _results(self, entry: _Entry, inputs):
         """After a replay: write back what the piece wrote, then rebuild views of inputs."""
-        for i, static, bind in entry.written:
+        session = self.runtime.session
+        for i, static, bind, buffer in entry.written:
             value = inputs[i]
-            if bind == _OWN and value is not static:
+            if bind is _OWN and value is not static:
                 value.copy_(static)
-                entry.synced[i] = self.runtime.session.sync_mark(value)
+                buffer.mark = session.sync_mark(value)
             elif not static.is_inference():
                 # A CUDA graph's writes bypass the version counter; keep it truthful.
                 _increment_version(static)
@@ -227,9 +274,25 @@ class CapturedPiece(torch.nn.Module):
         return self.run_uncaptured(*inputs)
 
     def _refuse(self, why: str) -> None:
-        if why not in self._refusals:
-            self._refusals.add(why)
-            log.info("fxsplit: %s runs uncaptured for this call: %s", self.name, why)
+        """A call runs uncaptured for ``why``: counted per reason; raised under
+        ``on_capture_error="raise"``, else warned once per reason.
+
+        Raises:
+            CaptureRefusedError: under ``on_capture_error="raise"``.
+        """
+        self.stats.refusals[why] += 1
+        if self.runtime.on_capture_error == "raise":
+            raise CaptureRefusedError(
+                f"fxsplit {self.runtime.graph_id}: {self.name} cannot be captured: {why} "
+                "(on_capture_error='raise'; 'fallback' runs it uncaptured)"
+            )
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(
+                f"fxsplit {self.runtime.graph_id}: {self.name} runs uncaptured: {why}",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _miss(self, key, inputs):
         runtime = self.runtime
@@ -239,6 +302,11 @@ class CapturedPiece(torch.nn.Module):
             return self._uncaptured(inputs, key)
         if len(self.entries) >= runtime.max_captured_keys:
             runtime.warn_key_limit(self)
+            if runtime.on_capture_error == "raise":
+                self._refuse(f"max_captured_keys={runtime.max_captured_keys} reached")
+            return self._uncaptured(inputs, key)
+        if runtime.checking:
+            self.entries[key] = self._fix_addresses(key, inputs)
             return self._uncaptured(inputs, key)
         try:
             entry = self._capture(key, inputs)
@@ -255,91 +323,140 @@ class CapturedPiece(torch.nn.Module):
             if runtime.on_capture_error == "raise":
                 raise
             self.failed = f"{type(error).__name__}: {error}"
-            log.warning("fxsplit: %s runs uncaptured from now on: %s", self.name, self.failed)
+            self._refuse(self.failed)
             return out
         self.entries[key] = entry
         self.stats.add(entry.counts, "captures")
         return self._results(entry, inputs)
 
+    def _recapture(self, entry: _Entry, inputs):
+        """Replace ``entry``'s graph by a new capture: it was captured before a graph already
+        replayed in this step, so its replay could overwrite that graph's live outputs (see
+        :mod:`fxsplit.runtime.pool`)."""
+        log.info(
+            "fxsplit %s: %s recaptured for key %s so that replays keep capture order",
+            self.runtime.graph_id,
+            self.name,
+            entry.key,
+        )
+        self.drop(entry)
+        del self.entries[entry.key]
+        self.stats.add(entry.counts, "reorders")
+        return self._miss(entry.key, inputs)
+
+    def drop(self, entry: _Entry) -> None:
+        """Free ``entry``'s graph; outputs of it that were handed out are invalidated."""
+        runtime = self.runtime
+        for ident, ptr in entry.owned:
+            runtime.static_outputs.pop(ident, None)
+            runtime.pool.owners.pop(ptr, None)
+        runtime.pool.ledger.invalidate_order(entry.order, runtime.pool.step)
+        entry.graph.reset()
+
+    def _fix_addresses(self, key, inputs) -> _Entry:
+        """Capture off, strict binding: the entry that fixes the persistent inputs' addresses
+        (what a capture would bind), with no graph."""
+        produced = self.runtime.session.produced
+        checks = []
+        for i, (spec, value) in enumerate(zip(self.specs, inputs, strict=True)):
+            if isinstance(value, torch.Tensor):
+                bind = binding.bind(spec, "strict", produced(value))
+                if bind is _ADDRESS:
+                    checks.append((i, value, value.data_ptr(), bind, None))
+        return _Entry(key, None, (), None, tuple(checks), (), self.stats.key(key), ())
+
     def _capture(self, key, inputs) -> _Entry:
         """Capture ``key``; the returned entry's outputs hold this call's result.
 
         Raises:
-            _Refused: this call's inputs share storage in a way the static buffers cannot keep.
+            _Refused: this call's inputs share storage in a way the static buffers cannot keep,
+                or a compiled piece's legality could not be checked.
             CaptureError / RuntimeError: an op illegal under capture, or outputs that require
                 grad. Nothing the piece writes is left changed by a failed capture.
         """
         runtime = self.runtime
         session = runtime.session
-        binds, statics, regions = [], [], {}
+        pool = runtime.pool
+        binds, statics, buffers = [], [], []
         for spec, value in zip(self.specs, inputs, strict=True):
+            buffer = None
             if not isinstance(value, torch.Tensor):
-                binds.append(Bind.HOST)
-                statics.append(value)
-                continue
-            if spec.kind == binding.INTERNAL and id(value) in runtime.static_outputs:
-                bind = _OWN  # an earlier captured piece's output buffer: fxsplit's already
+                bind = Bind.HOST
+            elif spec.kind == binding.INTERNAL and id(value) in runtime.static_outputs:
+                bind = _OWN  # an earlier captured piece's output: fxsplit's memory already
+                buffer = _OwnBuffer(value, None, None)
+            elif spec.kind == binding.RUNNER and runtime.is_frozen_memory(value):
+                bind = _PINNED  # a view of a parameter or buffer: its memory never moves
             else:
                 bind = binding.bind(spec, runtime.binding, session.produced(value))
+                if bind is _OWN:
+                    buffer = runtime.own_buffer(value)
             binds.append(bind)
-            if bind == _OWN and id(value) not in runtime.static_outputs:
-                static, region = _own_buffer(value)
-                if region is not None:
-                    regions[len(statics)] = region
-                statics.append(static)
-            else:
-                statics.append(value)
+            buffers.append(buffer)
+            statics.append(buffer.static if buffer is not None else value)
         written = [i for i, spec in enumerate(self.specs) if spec.written]
-        guard = _AliasGuard(inputs, binds, written) if written and _OWN in binds else None
+        guard = _AliasGuard(statics, inputs, binds, written) if written else None
         if guard is not None:
             guard.check(self.specs, inputs)
-        graph = new_graph(runtime.mode, runtime.device_capture)
+        for i, buffer in enumerate(buffers):
+            if buffer is not None and buffer.static is not inputs[i] and buffer.mark is None:
+                buffer.mark = session.sync_mark(inputs[i])
+        graph = pool.new_graph()
         # The emulator runs the piece while recording; if the capture then fails, the fallback
         # run must find what the piece writes as it was (a CUDA capture executes nothing).
+        emulated = runtime.mode == "emulate"
         saved = (
             [
                 (statics[i], statics[i].clone())
                 for i in written
                 if isinstance(statics[i], torch.Tensor)
             ]
-            if runtime.mode == "emulate"
+            if emulated
             else None
         )
-        runtime.capture_session.collect_once()
+        rng = torch.get_rng_state() if emulated and self.random else None
+        session.collect_once()
         try:
-            if saved is not None and self.check_uncompiled is not None:
-                check = new_graph("emulate")
-                check.capture(self.check_uncompiled, *statics)
-                check.reset()
-                for static, copy in saved:
-                    static.copy_(copy)
+            if emulated and self.check_uncompiled is not None:
+                _check_legality(graph, self.check_uncompiled, statics)
             outputs = graph.capture(self.run_uncaptured, *statics)
             _refuse_grad(outputs)
         except BaseException:
             for static, copy in saved or ():
                 static.copy_(copy)
+            if rng is not None:  # the fallback run draws what eager draws
+                torch.set_rng_state(rng)
             graph.reset()
             raise
+        order = pool.next_order()
         bases = self._output_bases(outputs, statics)
         views = self._views(outputs, statics, binds, bases)
+        owned = []
         for out, base in zip(_flat(outputs), bases, strict=True):
             if isinstance(out, torch.Tensor) and base is None:
                 # fxsplit's own memory: later pieces read it where it is (a view of a caller's
                 # tensor or parameter is never bound that way: a copy into it would write there)
                 runtime.static_outputs[id(out)] = out
-                session.own(runtime, out)
+                ptr = out.untyped_storage().data_ptr()
+                pool.owners[ptr] = order
+                owned.append((id(out), ptr))
+        checks = tuple(
+            (i, statics[i], statics[i].data_ptr(), bind, buffers[i])
+            for i, bind in enumerate(binds)
+            if bind in (_OWN, _ADDRESS, _PINNED)
+        )
         capture_ptrs = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else None for v in inputs)
         entry = _Entry(
-            key, graph, statics, outputs, binds, views, self.stats.key(key), capture_ptrs
+            key, graph, statics, outputs, checks, views, self.stats.key(key), capture_ptrs
         )
+        entry.order = order
+        entry.owned = tuple(owned)
         entry.written = tuple(
-            (i, statics[i], binds[i]) for i in written if isinstance(statics[i], torch.Tensor)
+            (i, statics[i], binds[i], buffers[i])
+            for i in written
+            if isinstance(statics[i], torch.Tensor)
         )
-        entry.alias_guard = guard
-        entry.regions = regions
-        for i, bind in enumerate(binds):
-            if bind == _OWN and inputs[i] is not statics[i]:
-                entry.synced[i] = session.sync_mark(inputs[i])
+        entry.alias_guard = guard if guard is not None and guard.needed else None
         return entry
 
     def _output_bases(self, outputs, statics) -> list[int | None]:
@@ -387,13 +504,26 @@ class CapturedPiece(torch.nn.Module):
             views.append((j, i, shape, strides, offset, dtype, out.is_conj(), out.is_neg()))
         return tuple(views)
 
-    def _moved(self, i: int, value, ptr: int) -> BindingError:
+    def _moved(self, i: int, value, ptr: int, bind) -> Exception:
+        """The error for an ADDRESS or PINNED input that moved: a refusal where the value is
+        fxsplit's own memory or a moved view of a parameter, else :class:`BindingError`."""
         spec = self.specs[i]
-        return BindingError(
-            f"{self.name} (regions: {', '.join(sorted(self.regions)) or '-'}): input "
-            f"{spec.name!r} from {spec.source} is at 0x{value.data_ptr():x}, but the captured "
-            f"graph reads 0x{ptr:x}; with input_binding='strict' a runner must hand the same "
-            "tensor every step (use persistent buffers, or input_binding='copy')"
+        if bind is _PINNED:
+            return _Refused(
+                f"input {spec.name!r} is a view of a parameter or buffer that moved since capture"
+            )
+        if self.runtime.session.produced(value):
+            return _Refused(
+                f"input {spec.name!r} is bound to the caller's persistent tensor, but this call "
+                "hands it a value fxsplit produced"
+            )
+        return binding.moved_error(
+            f"{self.name} (regions: {', '.join(sorted(self.regions)) or '-'})",
+            spec.name,
+            spec.source,
+            value.data_ptr(),
+            ptr,
+            "the captured graph reads",
         )
 
     def _verified_replay(self, entry: _Entry, inputs):
@@ -406,10 +536,12 @@ class CapturedPiece(torch.nn.Module):
             for i, ptr in enumerate(entry.capture_ptrs)
             if ptr is not None and inputs[i].data_ptr() != ptr
         ]
+        pool = self.runtime.pool
+        pool.before_replay(entry.order)
         if self.random and self.runtime.mode != "emulate":
             # A CUDA graph draws from its own RNG offsets: an uncaptured run cannot repeat them.
-            if "verify-random" not in self._refusals:
-                self._refusals.add("verify-random")
+            if "verify-random" not in self._warned:
+                self._warned.add("verify-random")
                 log.info("fxsplit: verify skips %s: it draws random numbers", self.name)
             entry.graph.replay()
             self.stats.add(entry.counts, "replays")
@@ -426,15 +558,43 @@ class CapturedPiece(torch.nn.Module):
             torch.set_rng_state(after)
         pairs = list(zip(_flat(got), _flat(expected), strict=True))
         pairs += [(inputs[i], snapshots[i]) for i in written]
+        exact = self.runtime.mode == "emulate"
+        how = "" if exact else " beyond torch.testing.assert_close's tolerances"
         for a, b in pairs:
-            if isinstance(a, torch.Tensor) and not _same(a, b):
+            if isinstance(a, torch.Tensor) and not _same(a, b, exact):
                 raise VerifyError(
                     f"verify: replay of {self.name} (regions: "
                     f"{', '.join(sorted(self.regions)) or '-'}) differs from running it "
-                    f"uncaptured; inputs whose address changed since capture: "
+                    f"uncaptured{how}; inputs whose address changed since capture: "
                     f"{', '.join(moved) or 'none'}"
                 )
         return got
+
+
+def _check_legality(graph, fn, statics) -> None:
+    """Run ``fn`` (a compiled piece's generated Python) on fake copies of ``statics`` under the
+    emulator's capture checks: what CUDA capture would reject raises, and nothing runs for real
+    (no random number drawn, no collective issued, no input written).
+
+    Raises:
+        CaptureError: an op illegal under capture.
+        _Refused: the check itself could not run on fake tensors.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxsplit.runtime.emulator import CaptureError
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in statics]
+            graph.check(fn, *fakes)
+    except CaptureError:
+        raise
+    except Exception as error:
+        raise _Refused(
+            f"its capture legality could not be checked on fake tensors ({type(error).__name__}:"
+            f" {error})"
+        ) from error
 
 
 def _never_captured(specs: list[InputSpec], aliasing: PieceAliasing, devices) -> str | None:
@@ -456,7 +616,7 @@ def _never_captured(specs: list[InputSpec], aliasing: PieceAliasing, devices) ->
     return None
 
 
-def _own_buffer(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def own_buffer(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fxsplit's static buffer for ``value``: same size, strides and address alignment (so
     vectorised reductions split the data the same way and replay bit-exactly, and views map
     back); requires grad where ``value`` does. For a ``value`` whose elements share memory
@@ -467,7 +627,7 @@ def _own_buffer(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]
     if value.is_conj() or value.is_neg():
         # Keep the bit: copy the memory as it is, then view it with the same bit.
         plain = value.conj() if value.is_conj() else torch._neg_view(value)
-        buffer, region = _own_buffer(plain)
+        buffer, region = own_buffer(plain)
         return (buffer.conj() if value.is_conj() else torch._neg_view(buffer)), region
     pad = value.storage_offset() % 512
     extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride(), strict=True))
@@ -483,6 +643,27 @@ def _own_buffer(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]
             buffer.copy_(value)
     # A piece that enables grad must see what eager sees, so its capture can refuse.
     return buffer.requires_grad_(value.requires_grad), region
+
+
+def buffer_key(value: torch.Tensor) -> tuple:
+    """What makes two caller tensors the same view for :class:`_OwnBuffer` sharing: the storage
+    (by identity), offset, size, stride, dtype and bits."""
+    return (
+        value.untyped_storage()._cdata,
+        value.storage_offset(),
+        tuple(value.shape),
+        value.stride(),
+        value.dtype,
+        value.is_conj(),
+        value.is_neg(),
+        value.requires_grad,
+    )
+
+
+def new_own_buffer(value: torch.Tensor) -> _OwnBuffer:
+    """A :class:`_OwnBuffer` mirroring ``value``."""
+    static, region = own_buffer(value)
+    return _OwnBuffer(static, region, StorageWeakRef(value.untyped_storage()))
 
 
 def _rebuild(value, size, stride, offset, dtype, conj, neg) -> torch.Tensor:
@@ -515,23 +696,35 @@ def _overlaps(value: torch.Tensor) -> bool:
 
 class _AliasGuard:
     """Refuses a call whose inputs share storage where the static buffers could not keep it: an
-    input bound to fxsplit's own copy (OWN) sharing storage with an input the piece writes (the
-    copy would not see the write, or the write would not reach the caller's other view).
+    input bound to fxsplit's own copy (OWN) sharing storage with an input the piece writes, while
+    their static buffers do not share memory (the copy would not see the write, or the write
+    would not reach the caller's other view).
 
     Inputs bound by address keep their capture-time storage on every replay (a move raises,
     refuses or recaptures first), so the storages of the written ones are fixed here and each
     call looks up only the OWN inputs' storages; only a piece that writes an OWN input compares
-    every pair.
+    every pair. Inputs whose static buffers share memory as the caller's tensors do (one caller
+    tensor handed twice, bound to one shared buffer) are no hazard.
     """
 
-    __slots__ = ("fixed", "own", "wide")
+    __slots__ = ("fixed", "needed", "own", "paired", "wide")
 
-    def __init__(self, inputs, binds, written: list[int]):
+    def __init__(self, statics, inputs, binds, written: list[int]):
         self.own = tuple(i for i, b in enumerate(binds) if b == _OWN)
         self.wide = any(binds[i] == _OWN for i in written)
         self.fixed = {
             _storage(inputs[i]): i for i in written if binds[i] != _OWN and inputs[i].numel()
         }
+        # pairs of OWN or written inputs whose static buffers share memory: sharing is kept there
+        groups: dict[int, list[int]] = {}
+        for i in {*self.own, *written}:
+            static = statics[i]
+            if isinstance(static, torch.Tensor) and static.numel():
+                groups.setdefault(_storage(static), []).append(i)
+        self.paired = frozenset(
+            (i, j) for group in groups.values() for i in group for j in group if i != j
+        )
+        self.needed = bool(self.own) and (self.wide or bool(self.fixed))
 
     def check(self, specs, inputs) -> None:
         """Raises:
@@ -541,7 +734,7 @@ class _AliasGuard:
             for i, value in enumerate(inputs):
                 if isinstance(value, torch.Tensor) and value.numel():
                     j = seen.setdefault(_storage(value), i)
-                    if j != i:
+                    if j != i and (j, i) not in self.paired:
                         raise _Refused(_shared(specs, j, i))
             return
         fixed = self.fixed
@@ -549,7 +742,7 @@ class _AliasGuard:
             value = inputs[i]
             if value.numel():  # empty tensors all report storage address 0
                 j = fixed.get(_storage(value))
-                if j is not None:
+                if j is not None and (j, i) not in self.paired:
                     raise _Refused(_shared(specs, j, i))
 
 
@@ -567,14 +760,22 @@ def _shared(specs, j: int, i: int) -> str:
 def _refuse_grad(outputs) -> None:
     for out in _flat(outputs):
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            raise RuntimeError(
+            raise _Refused(
                 "an output requires grad (grad is enabled inside the piece); a replay would "
                 "return it with the capture step's grad_fn"
             )
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equal, NaN equal to NaN (verify compares a replay with a plain run)."""
+def _same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    """Equal: bit for bit with NaN equal to NaN where ``exact`` (the emulator replays the same
+    kernels), else within ``torch.testing.assert_close``'s default tolerances for the dtype (a
+    CUDA graph may launch other cuBLAS algorithms or workspaces than an uncaptured run)."""
+    if not exact:
+        try:
+            torch.testing.assert_close(a, b, equal_nan=True)
+        except AssertionError:
+            return False
+        return True
     if torch.equal(a, b):
         return True
     if a.shape != b.shape or not (a.is_floating_point() or a.is_complex()):
@@ -585,18 +786,11 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _exact(value):
-    """A capture-key part that tells apart what ``==`` does not: ``True`` / ``1`` / ``1.0`` (by
-    type), ``0.0`` / ``-0.0`` (by their text), while NaN matches NaN (by its text).
-    :func:`_key_function` inlines the same expression."""
-    return (value.__class__, value if value == value and value != 0 else repr(value))
-
-
 def _key_function(reads):
-    """``inputs -> capture key``: every host value the piece reads (exactly, as
-    :func:`_exact`) and each distinct dynamic size of its tensor inputs (see
-    :func:`fxsplit.runtime.binding.key_reads`). Generated as one tuple expression because this
-    runs on every call."""
+    """``inputs -> capture key``: every host value the piece reads, told apart exactly (by type:
+    ``True`` / ``1`` / ``1.0``; by text: ``0.0`` / ``-0.0``, while NaN matches NaN), and each
+    distinct dynamic size of its tensor inputs (see :func:`fxsplit.runtime.binding.key_reads`).
+    Generated as one tuple expression because this runs on every call."""
     parts = [
         f"(a[{i}].__class__, a[{i}] if a[{i}] == a[{i}] and a[{i}] != 0 else repr(a[{i}]))"
         if d is None
@@ -612,4 +806,4 @@ def _flat(value):
     return value if isinstance(value, tuple) else (value,)
 
 
-__all__ = ["BindingError", "CapturedPiece", "VerifyError", "binding"]
+__all__ = ["BindingError", "CaptureRefusedError", "CapturedPiece", "VerifyError", "binding"]

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
@@ -274,6 +275,8 @@ def _run_checked(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> 
         return func(*args, **kwargs)
     keys = None
     for a in tree_leaves((args, kwargs)):
+        if isinstance(a, FakeTensor):  # a legality check on fake tensors: the fake kernel runs
+            return func(*args, **kwargs)
         if isinstance(a, torch.Tensor):
             k = torch._C._dispatch_keys(a)
             keys = k if keys is None else keys | k
@@ -718,6 +721,35 @@ class EmulatedGraph:
         self._steps = tuple(recorder.steps)
         self._actions = tuple(recorder.actions)
         return result
+
+    def check(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` under capture's checks without recording it (call it with fake
+        tensors to check an opaque piece's legality without running it for real).
+
+        Raises:
+            CaptureError: ``fn`` ran an op CUDA capture rejects, or a capture is under way.
+            Exception: anything ``fn`` raises.
+        """
+        if getattr(_tls, "active", None) is not None:
+            _tls.active._fail(
+                "EmulatedGraph.check (nested capture)",
+                "another capture is already running on this thread; CUDA graphs cannot nest",
+            )
+        self._error = None
+        _tls.active = self
+        try:
+            with _patched_syncs(), _HostReadGuard(self), _Checker(self):
+                fn(*args)
+        except BaseException as exc:
+            err, self._error = self._error, None
+            if err is not None and exc is not err:
+                raise err from exc
+            raise
+        finally:
+            _tls.active = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
     def replay(self) -> None:
         """Re-run the record on the recorded tensors, writing into the recorded outputs in place.

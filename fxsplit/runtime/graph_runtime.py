@@ -16,68 +16,127 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxsplit import counters
 from fxsplit.config import Config
 from fxsplit.passes import Split, materialise
 from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
-from fxsplit.runtime.captured import CapturedPiece
+from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError, new_own_buffer
+from fxsplit.runtime.captured import buffer_key as captured_buffer_key
+from fxsplit.runtime.pool import MemoryPool
 from fxsplit.runtime.stats import PieceStats
-from fxsplit.runtime.storage import clone_sharing
+from fxsplit.runtime.storage import clone_sharing, view_over
 
 log = logging.getLogger("fxsplit")
 
 
 class CaptureSession:
     """What a backend's compiled graphs share at run time: garbage collection once per capture
-    session, and which memory fxsplit produced.
+    session, the model's steps, the memory pools, and which memory fxsplit produced.
 
     Capturing many pieces (or many sizes) with a ``gc.collect()`` per piece made capture take
     seconds per size. A session is a step of a compiled graph, or ``Backend.capture`` around many
     steps; the first capture inside it collects and freezes, the session's end unfreezes.
 
+    A *step* is one call of the model: it starts with a call of a graph compiled from the frame
+    the caller entered, or with the next call of a graph already called in the step (a model
+    whose own frame compiled no graph, a graph called twice per step). Replays keep capture
+    order within a step (:mod:`fxsplit.runtime.pool`).
+
     Memory fxsplit produced is never the caller's (see :mod:`fxsplit.runtime.binding`): the
-    storages of every graph's outputs on its last call (a graph Dynamo resumes after a graph
-    break reads them as inputs) and of every static output buffer (replays overwrite them
-    without touching their version counters).
+    outputs every pool handed out, and the outputs every graph returned on its last call (a graph
+    Dynamo resumes after a graph break reads them as inputs), known by storage identity, never by
+    address (the allocator hands a freed address out again at once).
     """
 
     def __init__(self):
         self.depth = 0
         self.frozen = False
-        self.outputs: dict[int, frozenset[int]] = {}  # graph -> storages of its last outputs
-        self.storages: dict[int, set[int]] = {}  # graph -> storages of its static outputs
+        self.step = 0
+        self.pools: dict[tuple[str, torch.device], MemoryPool] = {}
+        self._called: set[int] = set()  # graphs called in this step
+        self._outputs: dict[int, dict[int, StorageWeakRef]] = {}  # graph -> its last outputs
+        self._warned_held = False
+
+    def pool(self, mode: str, device: torch.device) -> MemoryPool:
+        """The memory pool of ``mode`` (``"cuda"`` / ``"emulate"``) on ``device``."""
+        found = self.pools.get((mode, device))
+        if found is None:
+            found = self.pools[(mode, device)] = MemoryPool(mode, device)
+        return found
+
+    def begin_call(self, graph: object, entered: bool) -> None:
+        """``graph`` is called; ``entered``: it was compiled from the frame the caller
+        entered."""
+        if entered or id(graph) in self._called:
+            self.step += 1
+            self._called.clear()
+            for pool in self.pools.values():
+                pool.begin_step(self.step)
+                if not pool.ledger.poison and not self._warned_held:
+                    self._warn_held(pool)
+        self._called.add(id(graph))
+
+    def _warn_held(self, pool: MemoryPool) -> None:
+        held = pool.ledger.held_stale(self.step)
+        if held:
+            self._warned_held = True
+            warnings.warn(
+                f"fxsplit {held[0]}: an output of an earlier call is still held after a later "
+                "replay reused its memory. Under capture='emulate' its values were kept by a "
+                "copy; on CUDA, reading it raises. Clone outputs you keep across calls "
+                "(out.clone()), or compile with options={'clone_outputs': True}",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def produced(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in memory fxsplit produced (see the class docstring)."""
-        ptr = tensor.untyped_storage().data_ptr()
-        return any(ptr in s for s in self.outputs.values()) or any(
-            ptr in s for s in self.storages.values()
+        storage = tensor.untyped_storage()
+        cdata = storage._cdata
+        for outputs in self._outputs.values():
+            ref = outputs.get(cdata)
+            if ref is not None and not ref.expired():
+                return True
+        if not self.pools:
+            return False
+        ptr = storage.data_ptr()
+        return any(
+            pool.ledger.handed_out(tensor) is not None or ptr in pool.owners
+            for pool in self.pools.values()
         )
 
-    def own(self, graph: object, tensor: torch.Tensor) -> None:
-        """Record ``tensor`` (a static output of ``graph``) as fxsplit's memory."""
-        self.storages.setdefault(id(graph), set()).add(tensor.untyped_storage().data_ptr())
+    def record_outputs(self, graph: object, out: tuple) -> None:
+        """Remember ``graph``'s outputs of this call (by storage identity)."""
+        refs = {}
+        for o in out:
+            if isinstance(o, torch.Tensor) and o.layout == torch.strided:
+                storage = o.untyped_storage()
+                if storage._cdata not in refs:
+                    refs[storage._cdata] = StorageWeakRef(storage)
+        self._outputs[id(graph)] = refs
 
-    def owned(self, graph: object) -> set[int]:
-        """Storages of ``graph``'s static outputs (a live set)."""
-        return self.storages.setdefault(id(graph), set())
+    def close(self) -> None:
+        """Invalidate every output the pools handed out (their memory is about to go)."""
+        for pool in self.pools.values():
+            pool.ledger.invalidate_all(self.step)
 
     def forget(self, graph: object) -> None:
-        """Drop what is recorded for ``graph`` (its captured graphs were freed)."""
-        self.storages.pop(id(graph), None)
-        self.outputs.pop(id(graph), None)
+        """Drop what is recorded for ``graph``."""
+        self._outputs.pop(id(graph), None)
+        self._called.discard(id(graph))
 
     def sync_mark(self, tensor: torch.Tensor) -> tuple | None:
         """``(weak reference, version, data pointer)`` of a value just copied into a static
         buffer, telling the next call whether it changed since; None where the version counter
-        cannot tell (inference tensors have none; fxsplit's own buffers change by replay,
+        cannot tell (inference tensors have none; outputs in a memory pool change by replay,
         unseen)."""
         if tensor.is_inference():
             return None
         ptr = tensor.untyped_storage().data_ptr()
-        if any(ptr in s for s in self.storages.values()):
+        if any(ptr in pool.owners for pool in self.pools.values()):
             return None
         return weakref.ref(tensor), tensor._version, tensor.data_ptr()
 
@@ -136,18 +195,31 @@ class Frame:
         copy under every binding."""
         return self.resumed or self.nested
 
+    @property
+    def entered(self) -> bool:
+        """Compiled from the frame the caller entered: its call starts a step of the model."""
+        return not self.model_values
+
 
 class GraphRuntime:
-    """The callable Dynamo runs for one graph when capture is ``"cuda"`` or ``"emulate"``.
+    """The callable Dynamo runs for one graph when capture is ``"cuda"`` or ``"emulate"``, or
+    when strict binding is checked with capture off (``"check"``).
+
+    Per call: start a step where this graph starts one, refuse invalidated outputs handed back
+    in, decide whether this step may capture or replay (capture sizes, grad mode), check
+    parameter addresses once (a move invalidates every captured graph of this graph and
+    recaptures), copy earlier steps' outputs handed back in (this step's replays may overwrite
+    them), run the stitched module, and hand its outputs out of the memory pool
+    (:mod:`fxsplit.runtime.output_lifetime`).
 
     Args:
         split: the split graph, with its pieces' aliasing facts (its stitched module's captured
             pieces are replaced here).
         config: the options it was compiled with.
-        mode: ``"cuda"`` or ``"emulate"``.
+        mode: ``"cuda"``, ``"emulate"`` or ``"check"``.
         example_inputs: Dynamo's example inputs (locate the size input and parameters).
-        device_capture: the memory pool and capture stream shared by the backend's graphs on
-            this device (:class:`~fxsplit.runtime.graphs.DeviceCapture`; CUDA only, else None).
+        pool: the :class:`~fxsplit.runtime.pool.MemoryPool` the graph's captures share with
+            the backend's other graphs on this device; None for ``"check"``.
         device: the device of the graph's tensors.
         session: the backend's :class:`CaptureSession`.
         frame: the compiled :class:`Frame`; None when unknown.
@@ -162,7 +234,7 @@ class GraphRuntime:
         config: Config,
         mode,
         example_inputs,
-        device_capture,
+        pool: MemoryPool | None,
         device,
         session,
         frame: Frame | None = None,
@@ -170,7 +242,8 @@ class GraphRuntime:
         self.split = split
         self.graph_id = split.plan.graph_id
         self.mode = mode
-        self.device_capture = device_capture
+        self.checking = mode == "check"
+        self.pool = pool
         self.device = device
         self.capture_session = self.session = session
         self.binding = config.binding
@@ -182,11 +255,13 @@ class GraphRuntime:
         self.capture_sizes = frozenset(config.capture_sizes) if config.capture_sizes else None
         self.capture_step = False
         self.static_outputs: dict[int, torch.Tensor] = {}
+        self._buffers: dict[tuple, object] = {}  # caller view -> fxsplit's own buffer
         self._warned: set[str] = set()
         self._logged_sizes: set[int] = set()
         self._steps = 0
         self._recaptures: list[int] = []  # steps at which a parameter move dropped the graphs
         self._moves: dict[int, int] = {}  # placeholder index -> the last step it moved on
+        self._entered = frame is None or frame.entered
 
         stitched = split.materialised.stitched
         self._placeholders = list(stitched.graph.find_nodes(op="placeholder"))
@@ -198,6 +273,7 @@ class GraphRuntime:
             if isinstance(value, torch.Tensor) and i not in self._params
         ]
         self._param_ptrs: tuple | None = None
+        self._frozen: frozenset[int] = frozenset()  # storages of parameters and buffers
         self._size_index = size_input_index(
             self._placeholders,
             example_inputs,
@@ -268,45 +344,119 @@ class GraphRuntime:
 
     def __call__(self, *args):
         self._steps += 1
+        session = self.session
+        session.begin_call(self, self._entered)
+        pool = self.pool
+        if pool is not None:
+            pool.ledger.check_inputs(args, self.graph_id)
         handed = None
         self.capture_step = self._may_capture(args)
         if self.capture_step:
             if self._params:
                 self._check_params(args)
-            owned = self.session.owned(self)
-            if owned:
-                back = [
-                    i for i in self._runner_inputs if args[i].untyped_storage().data_ptr() in owned
-                ]
-                if back:
-                    # Earlier outputs (or views of them) handed back in: this step's replays
-                    # overwrite them before they are read, so the step reads and writes private
-                    # copies (sharing memory as the originals do), handed back afterwards.
-                    copies = clone_sharing([args[i] for i in back])
-                    handed = [(args[i], c) for i, c in zip(back, copies, strict=True)]
+            if pool is not None:
+                handed = self._take_over(args)
+                if handed:
                     args = list(args)
-                    for i, c in zip(back, copies, strict=True):
-                        args[i] = c
+                    for i, _, copy in handed:
+                        args[i] = copy
                     args = tuple(args)
-        session = self.capture_session
         session.enter()
         try:
             out = self._forward(*args)
         finally:
             session.exit()
-        if handed is not None:
+        if handed:
             out = _hand_back(out, handed)
-        session.outputs[id(self)] = frozenset(
-            o.untyped_storage().data_ptr() for o in out if isinstance(o, torch.Tensor)
-        )
-        if self.clone_outputs:
-            out = _clone_owned(out, self.session.owned(self))
+        if pool is not None:
+            out = self._hand_out(out, pool)
+        session.record_outputs(self, out)
         return out
+
+    def _take_over(self, args) -> list | None:
+        """Arguments that are outputs an earlier step handed out (or views of them): this step's
+        replays may overwrite their memory before they are read, so the step reads private
+        copies (sharing memory as the originals do), handed back afterwards. Outputs handed out
+        in this step need none: replays keep capture order within a step."""
+        ledger = self.pool.ledger
+        step = self.pool.step
+        back = [
+            i
+            for i in self._runner_inputs
+            if (h := ledger.handed_out(args[i])) is not None and h.step != step
+        ]
+        if not back:
+            return None
+        copies = clone_sharing([args[i] for i in back])
+        for i in back:
+            ledger.adopt(args[i])
+        return [(i, args[i], c) for i, c in zip(back, copies, strict=True)]
+
+    def _hand_out(self, out: tuple, pool: MemoryPool) -> tuple:
+        """The outputs in the pool's memory as fresh tensors the ledger follows, or clones with
+        ``clone_outputs`` (keeping eager's aliasing between them)."""
+        owners = pool.owners
+        mine = [
+            j
+            for j, o in enumerate(out)
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in owners
+        ]
+        if not mine:
+            return out
+        result = list(out)
+        if self.clone_outputs:
+            for j, copy in zip(mine, clone_sharing([out[j] for j in mine]), strict=True):
+                result[j] = copy
+            return tuple(result)
+        storages: dict[int, torch.UntypedStorage] = {}
+        ledger, step, graph_id = pool.ledger, pool.step, self.graph_id
+        for j in mine:
+            o = out[j]
+            order = owners[o.untyped_storage().data_ptr()]
+            result[j] = ledger.hand_out(o, storages, order, step, graph_id)
+        return tuple(result)
+
+    def own_buffer(self, value: torch.Tensor):
+        """fxsplit's static buffer for the caller's ``value`` holding its values, shared by
+        every piece and capture key of this graph that captured the same view of the same
+        tensor."""
+        key = captured_buffer_key(value)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.source.expired():
+            buffer = self._buffers[key] = new_own_buffer(value)
+            return buffer
+        mark = buffer.mark
+        if not (
+            mark is not None
+            and mark[0]() is value
+            and mark[1] == value._version
+            and mark[2] == value.data_ptr()
+        ):
+            target = buffer.static if buffer.region is None else buffer.region
+            source = (
+                value
+                if buffer.region is None
+                else value.as_strided(buffer.region.shape, (1,), value.storage_offset())
+            )
+            with torch.no_grad():
+                target.copy_(source)
+            buffer.mark = self.session.sync_mark(value)
+        return buffer
+
+    def is_frozen_memory(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` lives in a parameter's or buffer's storage of this graph."""
+        return bool(self._frozen) and value.untyped_storage().data_ptr() in self._frozen
 
     def _may_capture(self, args) -> bool:
         if torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
+            if self.on_capture_error == "raise" and not self.checking:
+                raise CaptureRefusedError(
+                    f"fxsplit {self.graph_id}: grad is enabled and an input requires grad, so "
+                    "pieces cannot be captured (on_capture_error='raise'); run inference under "
+                    "torch.no_grad() or torch.inference_mode()"
+                )
             self._warn_once(
                 "grad",
                 f"fxsplit {self.graph_id}: grad is enabled and an input requires grad, so "
@@ -330,11 +480,13 @@ class GraphRuntime:
         ptrs = tuple(args[i].data_ptr() for i in self._params)
         if self._param_ptrs is None:
             self._param_ptrs = ptrs
+            self._frozen = frozenset(args[i].untyped_storage().data_ptr() for i in self._params)
             return
         if ptrs == self._param_ptrs:
             return
         moved = [i for i, a, b in zip(self._params, ptrs, self._param_ptrs, strict=True) if a != b]
         self._param_ptrs = ptrs
+        self._frozen = frozenset(args[i].untyped_storage().data_ptr() for i in self._params)
         rebound = []
         for i in moved:
             # The model rebinding a buffer moves it on consecutive steps; reloading weights
@@ -398,19 +550,21 @@ class GraphRuntime:
         return {p.name: p.stats.as_dict() for p in self.pieces}
 
     def reset(self) -> int:
-        """Free every captured graph and static buffer (keys start over with warmup); returns
-        how many graphs were dropped."""
+        """Free every captured graph and static buffer (keys start over with warmup); outputs
+        handed out of them are invalidated. Returns how many graphs were dropped."""
         dropped = 0
         for piece in self.pieces:
             for entry in piece.entries.values():
-                entry.graph.reset()
-            dropped += len(piece.entries)
+                if entry.graph is not None:
+                    piece.drop(entry)
+                    dropped += 1
             piece.entries.clear()
             piece.warmups.clear()
         self.static_outputs.clear()
+        self._buffers.clear()
         self.session.forget(self)
-        if dropped and self.device_capture is not None:
-            self.device_capture.renew(f"{self.graph_id} reset")
+        if dropped and self.pool is not None and self.pool.cuda is not None:
+            self.pool.cuda.renew(f"{self.graph_id} reset")
         return dropped
 
 
@@ -459,37 +613,27 @@ def _argument(node) -> str | None:
 
 
 def _hand_back(out: tuple, handed: list) -> tuple:
-    """After a step that read private copies of earlier outputs handed back in: outputs that
-    live in the same buffers are cloned (the caller or the model may hold the handed-in
-    tensor, e.g. a buffer Dynamo re-assigns), then each handed-in tensor gets its copy's value
-    back, the model's writes to it included, as eager would leave it."""
-    storages = {original.untyped_storage().data_ptr() for original, _ in handed}
-    out = tuple(
-        o.clone()
-        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in storages
+    """After a step that read private copies of earlier outputs handed back in: each handed-in
+    tensor takes its copy's memory, holding the model's writes to it as eager would leave them
+    (its storage swaps data pointers with the copy's, so every view of it follows, and the pool
+    memory it lived in is no longer the caller's); outputs over a copy become the same views of
+    the handed-in tensor, as eager returns them."""
+    swapped: dict[int, torch.UntypedStorage] = {}
+    for _, original, copy in handed:
+        theirs, mine = original.untyped_storage(), copy.untyped_storage()
+        if mine._cdata in swapped:
+            continue
+        try:
+            theirs._swap_data_ptr_(mine)
+        except (RuntimeError, AttributeError):  # a torch without it: copy the values back
+            theirs.copy_(mine)
+        swapped[mine._cdata] = theirs
+    return tuple(
+        view_over(swapped[o.untyped_storage()._cdata], o)
+        if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata in swapped
         else o
         for o in out
     )
-    for original, copy in handed:
-        original.copy_(copy)
-    return out
-
-
-def _clone_owned(out: tuple, owned: set[int]) -> tuple:
-    """Clones of the outputs in fxsplit's static buffers (the next replay overwrites those),
-    keeping eager's aliasing between them; other outputs (views of the caller's tensors, eager
-    results) are returned as they are."""
-    mine = [
-        i
-        for i, o in enumerate(out)
-        if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in owned
-    ]
-    if not mine:
-        return out
-    result = list(out)
-    for i, copy in zip(mine, clone_sharing([out[i] for i in mine]), strict=True):
-        result[i] = copy
-    return tuple(result)
 
 
 __all__ = ["CaptureSession", "Frame", "GraphRuntime", "PieceStats"]

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.emulator import CaptureError, EmulatedGraph
 
 __all__ = ["CaptureError", "CudaGraph", "DeviceCapture", "EmulatedGraph", "new_graph"]
@@ -29,8 +30,12 @@ class DeviceCapture:
     only safe when replayed in capture order, which one stream keeps.
 
     The pool is replaced by a fresh handle (:meth:`renew`) after a failed capture (the old pool
-    may still be marked as being captured into) and when the backend's graphs are reset (a pool
-    whose graphs were all freed must not be captured into again).
+    may still be marked as being captured into) and when the backend's graphs are reset. Each
+    pool is first captured into by an empty *keeper* graph that lives as long as the handle is in
+    use: the caching allocator frees a private pool when its last graph is reset, and a later
+    ``capture_begin`` on the freed handle fails its use-count check (Inductor's cudagraph trees
+    keep their pool the same way). A graph reset after its capture (an output that requires
+    grad) then never takes the pool with it.
 
     Args:
         device: a CUDA device (``torch.device("cuda", i)``).
@@ -41,12 +46,33 @@ class DeviceCapture:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
         self.renewals = 0
+        self._keeper = None
+
+    def keep_alive(self) -> None:
+        """Capture the pool's keeper graph if it has none yet (before the first capture)."""
+        if self._keeper is not None:
+            return
+        keeper = torch.cuda.CUDAGraph()
+        index = self.device.index if self.device.index is not None else 0
+        with torch.cuda.device(index):
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                keeper.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                keeper.capture_end()
+        self._keeper = keeper
 
     def renew(self, reason: str) -> None:
         """Take a fresh pool handle; graphs captured earlier keep the old pool alive."""
         self.pool = torch.cuda.graph_pool_handle()
+        self._keeper = None
         self.renewals += 1
         log.info("fxsplit: new capture memory pool on %s (%s)", self.device, reason)
+
+
+def _clear_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _end_allocating(device: torch.device, pool) -> None:
@@ -63,9 +89,12 @@ class CudaGraph:
 
     Capture runs on the device's capture stream (capture on the default stream is illegal) with
     ``capture_error_mode="thread_local"`` (another thread's CUDA work cannot break it) under a
-    device guard; the current stream then waits for it. Unlike ``torch.cuda.graph``, entering a
-    capture does not run ``gc.collect()`` or empty the cache: the backend collects garbage once
-    per capture session instead of once per piece.
+    device guard; the current stream then waits for it. cuBLAS's workspaces are dropped before
+    and after each capture (as cudagraph trees do): a workspace a captured matmul needs is then
+    allocated inside the pool during that capture, and freed into it like the graph's scratch,
+    never memory of the eager allocator that the graph would keep using after it is freed.
+    Unlike ``torch.cuda.graph``, entering a capture does not run ``gc.collect()`` or empty the
+    cache: the backend collects garbage once per capture session instead of once per piece.
 
     Args:
         capture: the backend's :class:`DeviceCapture` for the piece's device.
@@ -85,11 +114,13 @@ class CudaGraph:
             then released and replaced, so later captures of other pieces still work.
         """
         shared = self._capture
+        shared.keep_alive()
         pool = shared.pool
         with torch.cuda.device(self._index):
             current = torch.cuda.current_stream()
             shared.stream.wait_stream(current)
             with torch.cuda.stream(shared.stream):
+                _clear_cublas_workspaces()
                 self._graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     outputs = fn(*args)
@@ -101,6 +132,7 @@ class CudaGraph:
                 except BaseException:
                     self._abandon(pool, ended=True)
                     raise
+                _clear_cublas_workspaces()
             current.wait_stream(shared.stream)
             self._graph.replay()
         return outputs
@@ -128,8 +160,9 @@ class CudaGraph:
         self._graph.reset()
 
 
-def new_graph(mode: str, capture: DeviceCapture | None = None):
-    """A fresh graph object for capture mode ``"cuda"`` (needs ``capture``) or ``"emulate"``."""
+def new_graph(mode: str, capture: DeviceCapture | None = None, pool: EmulatedPool | None = None):
+    """A fresh graph object for capture mode ``"cuda"`` (needs ``capture``) or ``"emulate"``
+    (into ``pool``, a private one when None)."""
     if mode == "cuda":
         return CudaGraph(capture)
-    return EmulatedGraph()
+    return EmulatedGraph(pool)

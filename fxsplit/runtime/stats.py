@@ -11,13 +11,14 @@ class PieceStats:
     """Counters of one piece: ``per_key[key]`` holds captures, replays, uncaptured_runs,
     input_copies, input_copy_bytes (bytes); ``copies_by_input[name]`` counts copies per input.
     Keys are capture keys (tuples); None collects runs outside capture (a step that may not
-    capture)."""
+    capture). ``refusals[reason]`` counts calls that ran uncaptured for ``reason``."""
 
-    __slots__ = ("copies_by_input", "per_key")
+    __slots__ = ("copies_by_input", "per_key", "refusals")
 
     def __init__(self):
         self.per_key: dict[object, Counter] = {}
         self.copies_by_input: Counter = Counter()
+        self.refusals: Counter = Counter()
 
     def key(self, key: object) -> Counter:
         """The counters of ``key`` (created on first use)."""
@@ -33,5 +34,9 @@ class PieceStats:
         counters.totals[name] += amount
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        """``{str(key): {counter: value}}`` as plain dicts (``"uncaptured"`` for key None)."""
-        return {("uncaptured" if k is None else str(k)): dict(v) for k, v in self.per_key.items()}
+        """``{str(key): {counter: value}}`` as plain dicts (``"uncaptured"`` for key None), and
+        ``{"refused": {reason: calls}}`` when a call ran uncaptured for a reason."""
+        out = {("uncaptured" if k is None else str(k)): dict(v) for k, v in self.per_key.items()}
+        if self.refusals:
+            out["refused"] = dict(self.refusals)
+        return out

@@ -1,0 +1,190 @@
+"""Outputs handed out of a memory pool, and what becomes of them when a replay reuses it.
+
+A captured graph's outputs live in the memory pool; every replay writes them again, and a replay
+of a graph may also write over the outputs of every graph captured after it in the same pool (its
+scratch was free when they were captured: the ordering rule of ``CUDAGraph.h``). A graph's
+outputs that leave fxsplit (returned to the caller, stored on a cache object or in a dict by
+Dynamo's side effects, kept by a forward hook) are therefore *handed out*, as Inductor's
+cudagraph trees do: each call returns fresh tensor objects over fresh storage objects that do not
+own the pool's memory, and the :class:`OutputLedger` keeps weak references to those storages.
+
+Before a replay that may overwrite a handed-out output still referenced anywhere, the ledger
+*invalidates* it:
+
+- on CUDA, through PyTorch's own machinery: ``torch._C._set_storage_data_ptr_access_error_msg``
+  makes every tensor over that storage (the output and every view of it) raise with fxsplit's
+  message when its data is read. Nothing is copied, so the steady loop ``logits = model(...)``
+  (the previous step's logits still bound, never read again) costs no copy;
+- in the CPU emulator, whose wheel lacks that function and where no hook on a read of a CPU
+  tensor exists, the storage's memory is replaced by a copy of its values
+  (``UntypedStorage._swap_data_ptr_``): the number stays right. The emulator raises where it
+  can see the read: an invalidated output handed to any compiled graph of the backend raises
+  :class:`StaleOutputError` (as reading it on CUDA would), and an invalidated output still held a
+  step after it was overwritten is warned about once.
+
+Outputs whose storage dies are simply forgotten: a caller that drops what it does not keep pays
+nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxsplit.runtime.storage import view_over
+
+__all__ = ["OutputLedger", "StaleOutputError"]
+
+log = logging.getLogger("fxsplit")
+
+_POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+
+
+class StaleOutputError(RuntimeError):
+    """An output of a captured graph was read after a later replay reused its memory.
+
+    Raised when such an output is handed to a compiled graph (every capture mode); on CUDA any
+    read of it raises a RuntimeError with the same message.
+    """
+
+
+def stale_message(graph_id: str) -> str:
+    """What a read of an overwritten output of ``graph_id`` says."""
+    return (
+        f"fxsplit {graph_id}: this tensor is an output of a captured graph that a later replay "
+        "has overwritten (captured graphs reuse their output memory on every replay). Clone "
+        "outputs you keep past the next call (out.clone()), or compile with "
+        "options={'clone_outputs': True}"
+    )
+
+
+@dataclass(eq=False)
+class _HandOut:
+    order: int  # capture order of the graph that wrote the memory
+    step: int  # the step it was handed out in
+    ref: StorageWeakRef
+    graph_id: str
+
+
+class OutputLedger:
+    """The outputs one memory pool handed out that may still be referenced.
+
+    Args:
+        poison: invalidate by making reads raise (CUDA); else by copying the values out
+            (the emulator).
+    """
+
+    def __init__(self, poison: bool):
+        self.poison = poison and _POISON is not None
+        self._live: dict[int, _HandOut] = {}  # storage cdata -> hand-out
+        self._high = -1  # highest capture order among live hand-outs (a bound)
+        self._stale: dict[int, tuple[StorageWeakRef, str, int]] = {}
+        self.invalidated = 0  # hand-outs invalidated while referenced, in all
+
+    def hand_out(
+        self, value: torch.Tensor, storages: dict, order: int, step: int, graph_id: str
+    ) -> torch.Tensor:
+        """``value`` (a tensor in the pool, written by the graph of capture order ``order``) as
+        a fresh tensor over a fresh storage object; tensors of one storage share one (through
+        ``storages``, one dict per call)."""
+        source = value.untyped_storage()
+        ptr = source.data_ptr()
+        storage = storages.get(ptr)
+        if storage is None:
+            storage = storages[ptr] = torch._C._construct_storage_from_data_pointer(
+                ptr, value.device, source.nbytes()
+            )
+            ref = StorageWeakRef(storage)
+            self._live[ref.cdata] = _HandOut(order, step, ref, graph_id)
+            if order > self._high:
+                self._high = order
+        return view_over(storage, value)
+
+    def handed_out(self, tensor: torch.Tensor) -> _HandOut | None:
+        """The live hand-out ``tensor`` is (or is a view of), else None."""
+        found = self._live.get(tensor.untyped_storage()._cdata)
+        if found is None or found.ref.expired():
+            return None
+        return found
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Forget ``tensor``'s hand-out: the runtime took its memory over for this call."""
+        self._live.pop(tensor.untyped_storage()._cdata, None)
+
+    def before_write(self, order: int, step: int) -> None:
+        """A graph of capture order ``order`` is about to write the pool: invalidate every live
+        hand-out it may overwrite (written by a graph of order ``order`` or later)."""
+        if order > self._high:
+            return
+        high = -1
+        for cdata, handed in list(self._live.items()):
+            if handed.ref.expired():
+                del self._live[cdata]
+            elif handed.order >= order:
+                del self._live[cdata]
+                self._invalidate(handed, step)
+            elif handed.order > high:
+                high = handed.order
+        self._high = high
+
+    def invalidate_order(self, order: int, step: int) -> None:
+        """Invalidate the live hand-outs of the graph of capture order ``order`` (it is being
+        freed)."""
+        for cdata, handed in list(self._live.items()):
+            if handed.order == order:
+                del self._live[cdata]
+                if not handed.ref.expired():
+                    self._invalidate(handed, step)
+
+    def invalidate_all(self, step: int) -> None:
+        """Invalidate every live hand-out (the pool's memory is being released)."""
+        for handed in self._live.values():
+            if not handed.ref.expired():
+                self._invalidate(handed, step)
+        self._live.clear()
+        self._high = -1
+
+    def check_inputs(self, args, graph_id: str) -> None:
+        """Raise if an argument is an invalidated output.
+
+        Raises:
+            StaleOutputError: naming the graph that produced it and what to do.
+        """
+        if not self._stale:
+            return
+        stale = self._stale
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                hit = stale.get(arg.untyped_storage()._cdata)
+                if hit is not None and not hit[0].expired():
+                    raise StaleOutputError(
+                        f"{stale_message(hit[1])}; it was handed to {graph_id} as an input"
+                    )
+
+    def held_stale(self, before_step: int) -> list[str]:
+        """Graphs whose invalidated outputs, invalidated before ``before_step``, are still
+        referenced (forgets the dead ones)."""
+        held = []
+        for cdata, (ref, graph_id, step) in list(self._stale.items()):
+            if ref.expired():
+                del self._stale[cdata]
+            elif step < before_step:
+                held.append(graph_id)
+        return held
+
+    def _invalidate(self, handed: _HandOut, step: int) -> None:
+        self.invalidated += 1
+        cdata = handed.ref.cdata
+        if self.poison:
+            _POISON(cdata, stale_message(handed.graph_id))
+        else:
+            storage = torch.UntypedStorage._new_with_weak_ptr(cdata)
+            if storage is None:
+                return
+            copy = torch.UntypedStorage(storage.nbytes(), device=storage.device)
+            copy.copy_(storage)
+            storage._swap_data_ptr_(copy)
+        self._stale[cdata] = (handed.ref, handed.graph_id, step)

@@ -1,0 +1,91 @@
+"""The memory pool a backend's captured graphs share on one device, and its ordering rule.
+
+Graphs captured into one pool are safe only when replayed in the order they were captured
+(``ATen/cuda/CUDAGraph.h``): a graph's scratch was free when later graphs were captured, so they
+may have placed their outputs there, and replaying it overwrites them. fxsplit keeps that rule
+by construction:
+
+- every captured graph gets a capture *order* (:meth:`MemoryPool.next_order`);
+- within a step (one call of the model: from a call of the graph the caller entered, or the next
+  call of any graph already called in this step), replays must come in increasing order. A piece
+  whose graph was captured before one already replayed in this step (a piece refused at one step
+  and captured at a later one, a compiled piece that captured a step after the plain ones, a
+  capture key without the token count) is recaptured first: its new graph is the newest, so
+  nothing it writes is live (:meth:`MemoryPool.in_order`);
+- outputs that leave fxsplit are handed out through the pool's
+  :class:`~fxsplit.runtime.output_lifetime.OutputLedger`, which invalidates them before a
+  replay that may overwrite them.
+
+On CUDA the pool's memory is the caching allocator's private pool (:class:`DeviceCapture`); in
+the emulator an :class:`~fxsplit.runtime.emulated_pool.EmulatedPool` with the same reuse.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxsplit.runtime.emulated_pool import EmulatedPool
+from fxsplit.runtime.graphs import DeviceCapture, new_graph
+from fxsplit.runtime.output_lifetime import OutputLedger
+
+__all__ = ["MemoryPool"]
+
+
+class MemoryPool:
+    """One backend's capture memory on one device.
+
+    Args:
+        mode: ``"cuda"`` or ``"emulate"``.
+        device: the device of the graphs' tensors.
+
+    Attributes:
+        ledger: the outputs handed out of this pool.
+        high: the highest capture order replayed or captured in the current step.
+        owners: data pointer of each captured graph's output storage -> that graph's order.
+    """
+
+    def __init__(self, mode: str, device: torch.device):
+        self.mode = mode
+        self.device = device
+        self.cuda = DeviceCapture(device) if mode == "cuda" else None
+        self.emulated = EmulatedPool(device) if mode == "emulate" else None
+        self.ledger = OutputLedger(poison=mode == "cuda")
+        self.owners: dict[int, int] = {}
+        self.high = -1
+        self.step = 0
+        self._order = 0
+
+    def new_graph(self):
+        """A fresh graph that captures into this pool."""
+        return new_graph(self.mode, self.cuda, self.emulated)
+
+    def next_order(self) -> int:
+        """The capture order of a graph being captured now (the newest); it is the step's
+        highest from here on."""
+        self._order += 1
+        self.high = self._order
+        return self._order
+
+    def in_order(self, order: int) -> bool:
+        """Whether a graph of capture order ``order`` may replay now: no graph captured after
+        it has replayed or captured in this step."""
+        return order >= self.high
+
+    def before_replay(self, order: int) -> None:
+        """Invalidate what the replay of a graph of capture order ``order`` may overwrite, and
+        make it the step's highest."""
+        self.ledger.before_write(order, self.step)
+        self.high = order
+
+    def begin_step(self, step: int) -> None:
+        """A new step of the model: any capture order may replay first."""
+        self.step = step
+        self.high = -1
+
+    def renew(self, reason: str) -> None:
+        """Every graph was dropped: invalidate what was handed out, and on CUDA take a fresh
+        pool."""
+        self.ledger.invalidate_all(self.step)
+        self.owners.clear()
+        if self.cuda is not None:
+            self.cuda.renew(reason)

@@ -1,0 +1,226 @@
+"""Outputs of captured graphs held past a later replay: right or loud, never silently stale.
+
+A replay rewrites its outputs' memory, and may rewrite the outputs of graphs captured after it in
+the same pool. Outputs that leave fxsplit are handed out as fresh tensors the pool's ledger
+follows (``fxsplit/runtime/output_lifetime.py``): on CUDA an overwritten one raises when read;
+in the emulator (no read hook on CPU tensors) its values are kept by a copy, it raises
+``StaleOutputError`` when handed to a compiled graph, and holding it warns once. Each case runs
+under ``capture="emulate"`` and asserts, through the ledger's counters and the backend's stats,
+that replays happened.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit import counters
+
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
+
+D = 8
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.sin()
+        return self.b(h) * 2
+
+
+def _compile(model, **options):
+    backend = fxsplit.Backend(capture="emulate", **options)
+    return torch.compile(model, backend=backend, dynamic=True), backend
+
+
+def _x(step, rows=3):
+    return torch.randn(rows, D, generator=torch.Generator().manual_seed(step))
+
+
+def _ledger(backend):
+    (pool,) = backend._session.pools.values()
+    return pool.ledger
+
+
+def test_steady_loop_rebinding_its_output_is_right_and_warns_nothing():
+    """``out = model(x)`` every step: the previous output is still bound during the call, then
+    dropped; nothing warns, every output is eager's, and pieces replay."""
+    net = Net()
+    model, _ = _compile(net)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(8):
+            out = model(_x(step))
+            assert torch.equal(out, net(_x(step))), step
+    assert counters.snapshot()["replays"] > 0
+
+
+def test_outputs_dropped_before_the_next_call_cost_no_copy():
+    net = Net()
+    model, backend = _compile(net)
+    with torch.no_grad():
+        for step in range(6):
+            out = model(_x(step))
+            assert torch.equal(out, net(_x(step)))
+            del out
+    assert counters.snapshot()["replays"] > 0
+    assert _ledger(backend).invalidated == 0
+
+
+def test_each_call_hands_out_a_fresh_tensor_over_the_pools_memory():
+    net = Net()
+    model, _ = _compile(net)
+    with torch.no_grad():
+        model(_x(0))
+        first = model(_x(1))  # capture
+        first_ptr = first.data_ptr()
+        del first
+        second = model(_x(2))  # replay
+    assert second.data_ptr() == first_ptr  # no copy: the pool's memory itself
+    assert torch.equal(second, net(_x(2)))
+
+
+def test_outputs_kept_across_calls_keep_their_values_warn_once_and_refuse_to_go_back_in():
+    net = Net()
+    model, backend = _compile(net)
+    kept = []
+    with torch.no_grad(), pytest.warns(UserWarning, match="still held after a later replay") as w:
+        for step in range(6):
+            kept.append(model(_x(step)))
+    assert len([m for m in w if "still held" in str(m.message)]) == 1
+    for step, out in enumerate(kept):
+        assert torch.equal(out, net(_x(step))), step
+    assert _ledger(backend).invalidated >= 3 and counters.snapshot()["replays"] > 0
+    with torch.no_grad(), pytest.raises(fxsplit.StaleOutputError, match="clone_outputs"):
+        model(kept[2])
+
+
+def test_clone_outputs_hands_out_nothing_the_ledger_follows():
+    net = Net()
+    model, backend = _compile(net, clone_outputs=True)
+    kept = []
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(6):
+            kept.append(model(_x(step)))
+        model(kept[2])  # an earlier output may go back in
+    assert all(torch.equal(out, net(_x(step))) for step, out in enumerate(kept))
+    assert _ledger(backend).invalidated == 0 and counters.snapshot()["replays"] > 0
+
+
+class _Cache:
+    """A per-request cache whose tensor is created inside the compiled step on its first call,
+    as transformers creates cache layers."""
+
+    def __init__(self):
+        self.k = None
+
+
+class _Decoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.w = nn.Parameter(torch.randn(D, D), requires_grad=False)
+
+    def forward(self, x, cache):
+        if cache.k is None:
+            cache.k = torch.tanh(x @ self.w) * 3  # the request's cache, made in the graph
+        with fxsplit.region(fxsplit.ATTENTION):
+            mixed = (cache.k * x).sin()
+        return mixed @ self.w
+
+
+def test_cache_made_inside_a_captured_step_for_three_requests_is_never_silently_shared():
+    """Three requests initialise their own cache through the same captured graph, then decode
+    interleaved: the second request's cache lived in the memory the third request's replay
+    rewrote. Without the ledger it silently read the third's values (max diff about 2)."""
+    model, _ = _compile(_Decoder())
+    eager = _Decoder()
+    caches, eager_caches = [_Cache() for _ in range(3)], [_Cache() for _ in range(3)]
+    with torch.no_grad():
+        for r in range(3):
+            assert torch.equal(model(_x(r), caches[r]), eager(_x(r), eager_caches[r]))
+        with pytest.raises(fxsplit.StaleOutputError, match="clone_outputs"):
+            for step in range(3, 9):
+                r = step % 3
+                got = model(_x(step), caches[r])
+                assert torch.equal(got, eager(_x(step), eager_caches[r])), (step, r)
+    assert counters.snapshot()["replays"] > 0
+
+
+def test_cache_made_inside_a_captured_step_with_clone_outputs_decodes_right():
+    model, _ = _compile(_Decoder(), clone_outputs=True)
+    eager = _Decoder()
+    caches, eager_caches = [_Cache() for _ in range(3)], [_Cache() for _ in range(3)]
+    with torch.no_grad():
+        for step in range(12):
+            r = step % 3
+            got = model(_x(step), caches[r])
+            assert torch.equal(got, eager(_x(step), eager_caches[r])), (step, r)
+    assert counters.snapshot()["replays"] > 0
+
+
+def test_activations_kept_by_a_forward_hook_keep_their_values():
+    """A forward hook stores a layer's output (Dynamo returns it from the graph and stores it
+    after the graph runs) and the caller keeps each call's activation: the kept activations of
+    earlier calls keep their values (here a copy; on CUDA reading them raises) and the caller is
+    warned once. (Before, the first calls' activations held later calls' values.)"""
+    net = Net()
+    store: dict[str, torch.Tensor] = {}
+    net.b.register_forward_hook(lambda module, args, out: store.__setitem__("b", out))
+    model, backend = _compile(net)
+    kept = []
+    with torch.no_grad(), pytest.warns(UserWarning, match="still held"):
+        for step in range(5):
+            model(_x(step))
+            kept.append(store["b"])
+    reference = Net()
+    with torch.no_grad():
+        for step in range(5):
+            h = reference.a(_x(step)).relu().sin()
+            assert torch.equal(kept[step], reference.b(h)), step
+    assert _ledger(backend).invalidated >= 2 and counters.snapshot()["replays"] > 0
+
+
+def test_one_graph_called_twice_per_step_keeps_the_first_result():
+    """A helper compiled on its own, called twice in one model step with the same shapes,
+    replays one graph twice: the second replay rewrites the memory of the first result, which
+    the model still holds. The second call starts a new step, so the first result is handed out
+    and kept (here a copy; on CUDA reading it raises)."""
+    w = torch.randn(D, D, generator=torch.Generator().manual_seed(99))
+
+    def norm(h):
+        return torch.tanh(h @ w)
+
+    cnorm = torch.compile(norm, backend=fxsplit.Backend(capture="emulate"), fullgraph=True)
+    with torch.no_grad():
+        for step in range(4):
+            q_in, k_in = _x(2 * step, rows=2), _x(2 * step + 1, rows=2)
+            q, k = cnorm(q_in), cnorm(k_in)
+            assert torch.equal(k, norm(k_in)) and torch.equal(q, norm(q_in)), step
+    assert counters.snapshot()["replays"] > 0
+
+
+def test_backend_reset_invalidates_what_it_handed_out():
+    net = Net()
+    model, backend = _compile(net)
+    with torch.no_grad():
+        for step in range(3):
+            out = model(_x(step))
+    ledger = _ledger(backend)
+    before = ledger.invalidated
+    torch._dynamo.reset()
+    assert ledger.invalidated == before + 1
+    assert torch.equal(out, net(_x(2)))  # kept by a copy: the pool's memory may go
