@@ -166,7 +166,7 @@ class Backend:
         counters.totals["eager_pieces"] += len(plan.eager)
         trace.emit_plan(result)
         if config.check_ranks:  # before anything can capture
-            check_ranks(graph_id, plan, result.graph_module)
+            check_ranks(graph_id, plan, result.graph_module, result.compiled_pieces)
         runtime = None
         if mode == "off" and config.binding == "strict":
             mode = "check"  # nothing captured; persistent inputs checked as a capture would

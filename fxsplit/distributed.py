@@ -2,8 +2,10 @@
 
 Under tensor parallelism every rank compiles the same graph and every captured piece issues its
 collectives when it is replayed. If one rank split its graph differently (another option, another
-torch, a model edited on one node), its collectives would run in other pieces, in another order,
-or eagerly where the others replay them: the job hangs at the first collective with no message.
+torch, a model edited on one node), or runs a piece differently (an Inductor artifact on one rank,
+the generated Python on another because Inductor failed there or its cache remembers a failure),
+its collectives would run in other pieces, in another order, or eagerly where the others replay
+them: the job hangs at the first collective with no message.
 :func:`check_ranks` compares a fingerprint of each plan across the ranks right after the split
 and raises :class:`RankMismatchError` on every rank instead.
 
@@ -44,18 +46,24 @@ class RankMismatchError(RuntimeError):
 @dataclass(frozen=True)
 class PieceFingerprint:
     """What must agree across ranks about one piece: its name and kind, its reasons, how many
-    nodes it holds and a digest of their targets in order."""
+    nodes it holds, a digest of their targets in order, and what runs it (``"python"``: its
+    generated code; ``"inductor"``: an Inductor artifact, compiled here or loaded from a cache,
+    which may order and fuse its collectives differently)."""
 
     name: str
     kind: str
     reasons: tuple[str, ...]
     num_nodes: int
     digest: str
+    runs: str = "python"
 
     def describe(self) -> str:
         """One line for error messages."""
         reasons = f", {', '.join(self.reasons)}" if self.reasons else ""
-        return f"{self.kind}, {self.num_nodes} nodes (targets {self.digest}){reasons}"
+        return (
+            f"{self.kind}, {self.num_nodes} nodes (targets {self.digest}), runs as {self.runs}"
+            f"{reasons}"
+        )
 
 
 def _target(node: Node) -> str:
@@ -69,20 +77,34 @@ def _target(node: Node) -> str:
     return f"{module}.{getattr(target, '__qualname__', type(target).__name__)}"
 
 
-def fingerprint(plan, graph_module) -> tuple[PieceFingerprint, ...]:
+def fingerprint(plan, graph_module, compiled=None) -> tuple[PieceFingerprint, ...]:
     """The fingerprint of a split: one :class:`PieceFingerprint` per piece, in order.
 
     Args:
         plan: the :class:`~fxsplit.plan.SplitPlan`.
         graph_module: the split Dynamo graph (its nodes, by the names the plan lists).
+        compiled: the graph's compiled-piece records (each with ``pieces`` and ``outcome``),
+            None when no piece was compiled.
     """
     nodes = {n.name: n for n in graph_module.graph.nodes}
+    runs = {
+        name: "python" if record.outcome == "eager" else "inductor"
+        for record in compiled or ()
+        for name in record.pieces
+    }
     pieces = []
     for piece in plan.pieces:
         text = "\n".join(_target(nodes[name]) for name in piece.nodes)
         digest = hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:12]
         pieces.append(
-            PieceFingerprint(piece.name, piece.kind, piece.reasons, len(piece.nodes), digest)
+            PieceFingerprint(
+                piece.name,
+                piece.kind,
+                piece.reasons,
+                len(piece.nodes),
+                digest,
+                runs.get(piece.name, "python"),
+            )
         )
     return tuple(pieces)
 
@@ -103,8 +125,9 @@ def group_of(graph_module):
     return c10d.group.WORLD
 
 
-def check_ranks(graph_id: str, plan, graph_module) -> None:
-    """Compare this rank's split of ``graph_id`` with every other rank's.
+def check_ranks(graph_id: str, plan, graph_module, compiled=None) -> None:
+    """Compare this rank's split of ``graph_id``, and what runs each piece, with every other
+    rank's (``compiled``: see :func:`fingerprint`).
 
     Does nothing where ``torch.distributed`` is unavailable or not initialised, or where the
     group holds one rank. Every rank of the group must call it for the same graph (it is a
@@ -122,7 +145,7 @@ def check_ranks(graph_id: str, plan, graph_module) -> None:
     group = group_of(graph_module)
     if dist.get_world_size(group) < 2:
         return
-    mine = fingerprint(plan, graph_module)
+    mine = fingerprint(plan, graph_module, compiled)
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     if all(other == mine for other in gathered):

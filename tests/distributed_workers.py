@@ -107,6 +107,53 @@ def diverge(rank: int, world_size: int) -> tuple[str, str, list, str]:
     return ("none", "compiled without an error", None, None)
 
 
+def diverge_compiled(rank: int, world_size: int) -> dict:
+    """Two ways ranks run a captured piece differently: ``compile_pieces`` differs per rank, and
+    Inductor fails on rank 1 only (its piece falls back to the generated Python). Both must fail
+    with the rank-agreement error on every rank, never hang. Returns, per way, what
+    :func:`diverge` returns."""
+    import os
+    import tempfile
+    from unittest import mock
+
+    f, _ = column_row_parallel(rank, world_size)
+    out = {}
+    for way in ("option", "inductor_failed"):
+        torch._dynamo.reset()
+        mode = "eager" if way == "option" and rank == 1 else "inductor"
+        folder = os.path.join(tempfile.gettempdir(), f"fxsplit_diverge_{os.getpid()}_{way}")
+        backend = fxsplit.Backend(
+            capture="emulate",
+            splitting_ops=["aten::topk"],
+            compile_pieces=mode,
+            cache_dir=folder,
+        )
+        failing = mock.patch.object(
+            torch._inductor,
+            "standalone_compile",
+            side_effect=RuntimeError("Inductor failed on this rank"),
+        )
+        try:
+            with torch.no_grad(), failing if way == "inductor_failed" and rank == 1 else _noop():
+                torch.compile(f, backend=backend)(_inputs(0))
+            out[way] = ("none", "compiled without an error", None, None)
+        except Exception as error:
+            inner = getattr(error, "inner_exception", error)
+            out[way] = (
+                type(inner).__name__,
+                str(inner),
+                getattr(inner, "groups", None),
+                getattr(inner, "piece", None),
+            )
+    return out
+
+
+def _noop():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 def hang(rank: int, world_size: int) -> None:
     """Rank 0 waits in an all-reduce that rank 1 never joins (rank 1 sleeps): a hang."""
     if rank == 0:
@@ -170,6 +217,7 @@ CHECKS = {
     "decode": decode,
     "replay_collective": replay_collective,
     "diverge": diverge,
+    "diverge_compiled": diverge_compiled,
     "llama_prefill": llama_prefill,
     "indivisible": indivisible,
 }

@@ -79,6 +79,17 @@ def test_divergent_split_on_one_rank_raises_the_agreement_error_on_both_ranks(ra
         assert "check_ranks=False" in message, message
 
 
+@pytest.mark.parametrize("way", ["option", "inductor_failed"])
+def test_ranks_running_a_piece_differently_raise_the_agreement_error_on_both_ranks(ranks, way):
+    """compile_pieces differing per rank, or Inductor failing on one rank only: the piece runs
+    as an Inductor artifact on one rank and as generated Python on the other."""
+    for result in _results(ranks, "diverge_compiled"):
+        kind, message, groups, _ = result[way]
+        assert kind == "RankMismatchError", message
+        assert groups == [[0], [1]], message
+        assert "runs as inductor" in message and "runs as python" in message, message
+
+
 def test_tp2_llama_prefill_with_its_attention_op_split_equals_the_single_process_model(ranks):
     for result in _results(ranks, "llama_prefill"):
         assert all(result["exact"]), result
