@@ -318,8 +318,8 @@ class GpuCheckPlan(expecttest.TestCase if expecttest else unittest.TestCase):
             table,
             """\
 part      limit grace
-device       20    10
-tests       140    10  each test at most 90 s where pytest-timeout is installed
+device       30    10
+tests       130    10  each test at most 90 s where pytest-timeout is installed
 tp_nccl      90    10
 latency     170    10  decode_latency.py --budget 160
 summary      10
