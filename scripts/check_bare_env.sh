@@ -22,7 +22,8 @@ venv="${FXSPLIT_BARE_VENV:-${TMPDIR:-/tmp}/fxsplit-bare-venv-torch$release}"
 if [ ! -x "$venv/bin/python" ]; then
     base="${FXSPLIT_BARE_PYTHON:-}"
     if [ -z "$base" ]; then  # Python 3.12 as on the GPU box, where this machine has it
-        for candidate in python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12 python3; do
+        pyenvs="$(pyenv root 2>/dev/null || echo /nonexistent)/versions"
+        for candidate in python3.12 "$pyenvs"/3.12*/bin/python3.12 python3; do
             if "$candidate" -c "" 2>/dev/null; then
                 base=$candidate
                 break

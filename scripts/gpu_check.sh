@@ -47,7 +47,8 @@ plan() {
         [latency]="decode_latency.py --budget $LATENCY_BUDGET")
     printf '%-9s %5s %5s\n' part limit grace
     for name in "${parts[@]}"; do
-        printf '%-9s %5s %5s%s\n' "$name" "${limit[$name]}" "$GRACE" "${inside[$name]:+  ${inside[$name]}}"
+        printf '%-9s %5s %5s%s\n' "$name" "${limit[$name]}" "$GRACE" \
+            "${inside[$name]:+  ${inside[$name]}}"
         sum=$((sum + limit[$name] + GRACE))
     done
     printf '%-9s %5s\n' summary "$SUMMARY"
