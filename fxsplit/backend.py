@@ -209,7 +209,7 @@ class Backend:
     def capture(self, model, inputs_by_size) -> None:
         """Capture every size up front: calls ``model(*inputs)`` for each size, largest first,
         ``max(warmup_runs, 1) + 1`` times, under one capture session (garbage collected once,
-        collector frozen throughout) with a tqdm progress bar.
+        collector frozen throughout) with a tqdm progress bar where tqdm is installed.
 
         The leading dimension of every tensor argument whose size equals the capture size is
         marked dynamic first (``torch._dynamo.maybe_mark_dynamic``), so all sizes share one graph:
@@ -220,7 +220,10 @@ class Backend:
             model: the ``torch.compile``'d model using this backend.
             inputs_by_size: ``{size: args tuple}``, one entry per capture size (token count).
         """
-        from tqdm import tqdm
+        try:
+            from tqdm import tqdm
+        except ImportError:  # a bare GPU box: torch, pytest and numpy only
+            tqdm = None
 
         sizes = sorted(inputs_by_size, reverse=True)
         runs = max(self.config.warmup_runs, 1) + 1  # compiled pieces warm up once on CUDA
@@ -229,7 +232,8 @@ class Backend:
                 if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == size:
                     torch._dynamo.maybe_mark_dynamic(arg, 0)
         with self._session(), torch.no_grad():
-            for size in tqdm(sizes, desc="fxsplit capture", unit="size"):
+            progress = sizes if tqdm is None else tqdm(sizes, desc="fxsplit capture", unit="size")
+            for size in progress:
                 for _ in range(runs):
                     model(*inputs_by_size[size])
 

@@ -1,22 +1,47 @@
 #!/usr/bin/env bash
-# The GPU check runs from the source tree on a box with only torch, pytest and numpy (no
-# network, no hypothesis, expecttest, transformers, rich, tqdm or graphviz). This builds such an
-# environment here (a fresh venv, the CPU torch wheel) and checks that pytest collects every test
-# module without error, that the CUDA tests skip cleanly, and that the GPU check's scripts start.
+# The GPU check runs from the source tree on a box with torch 2.11 on Python 3.12 and no network:
+# hypothesis, expecttest, transformers, rich, tqdm or graphviz may be missing there. This builds
+# such an environment here (a venv on Python 3.12 where this machine has it, else python3;
+# torch 2.11 from the registry, a CUDA build that runs on the CPU; pytest and numpy, nothing
+# else) and checks, on the CPU, what can run without a GPU:
+#   - pytest collects every test module without error;
+#   - the GPU check's scripts start (bench/*.py --help);
+#   - bench/decode_latency.py measures tiny sizes under a budget with parts stopped at their
+#     time limit (SIGALRM through Dynamo and fxsplit), and still writes its table and JSON;
+#   - scripts/gpu_check.sh --dry-run: its time plan and decode_latency.py's add up;
+#   - scripts/gpu_check.sh end to end: the CUDA tests skip, tp_nccl_check.py says it skipped,
+#     the latency part skips, the summary table is printed and the exit status is 0.
+# The first run downloads torch (about 3 GB, a few minutes); the venv is kept for later runs.
 # Usage: bash scripts/check_bare_env.sh   (CI runs it before the test suite)
+#   FXSPLIT_BARE_TORCH (default 2.11): the torch release; FXSPLIT_BARE_PYTHON: the interpreter
+#   that makes the venv; FXSPLIT_BARE_VENV: its folder; FXSPLIT_TORCH_INDEX: a package index.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${FXSPLIT_BARE_VENV:-${TMPDIR:-/tmp}/fxsplit-bare-venv}"
+release="${FXSPLIT_BARE_TORCH:-2.11}"
+venv="${FXSPLIT_BARE_VENV:-${TMPDIR:-/tmp}/fxsplit-bare-venv-torch$release}"
 if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
-    if ! "$venv/bin/pip" install -q "torch==2.13.0" pytest numpy \
+    base="${FXSPLIT_BARE_PYTHON:-}"
+    if [ -z "$base" ]; then  # Python 3.12 as on the GPU box, where this machine has it
+        pyenvs="$(pyenv root 2>/dev/null || echo /nonexistent)/versions"
+        for candidate in python3.12 "$pyenvs"/3.12*/bin/python3.12 python3; do
+            if "$candidate" -c "" 2>/dev/null; then
+                base=$candidate
+                break
+            fi
+        done
+    fi
+    "$base" -m venv "$venv"
+    if ! "$venv/bin/pip" install -q "torch==$release.*" pytest numpy \
         ${FXSPLIT_TORCH_INDEX:+--index-url "$FXSPLIT_TORCH_INDEX"} >"$venv.log" 2>&1; then
         cat "$venv.log" >&2
+        rm -rf "$venv"
         exit 1
     fi
 fi
 py="$venv/bin/python"
 export PYTHONPATH="$PWD" PYTHONDONTWRITEBYTECODE=1
+"$py" -c "import sys, torch; print('bare env check: Python', sys.version.split()[0], 'torch', \
+torch.__version__)"
 for lib in hypothesis expecttest transformers rich tqdm graphviz; do
     if "$py" -c "import $lib" 2>/dev/null; then
         echo "bare env check: $lib is installed in $venv; it must not be" >&2
@@ -24,8 +49,34 @@ for lib in hypothesis expecttest transformers rich tqdm graphviz; do
     fi
 done
 "$py" -m pytest -q -p no:cacheprovider --collect-only tests >/dev/null
-"$py" -m pytest -q -p no:cacheprovider -m cuda tests/test_runtime_cuda.py -rs | tail -1
 "$py" bench/decode_latency.py --help >/dev/null
 "$py" bench/compile_time.py --help >/dev/null
-"$py" scripts/tp_nccl_check.py | grep -q skipped  # no GPU here: it must say so and exit 0
-echo "bare env check: passed (collection, CUDA tests skip, the GPU check's scripts start)"
+
+scratch="$(mktemp -d "${TMPDIR:-/tmp}/fxsplit-bare-check.XXXXXX")"
+trap 'rm -rf "$scratch"' EXIT
+# 1 s a part: fxsplit's compile cannot fit, so its parts stop at the limit and are reported.
+"$py" bench/decode_latency.py --device cpu --layers 1 --steps 2 --batches 1 2 \
+    --variants eager fxsplit_eager --part-timeout 1 --budget 60 --json "$scratch/latency.json" \
+    >"$scratch/latency.log" 2>&1 || { cat "$scratch/latency.log" >&2; exit 1; }
+for expected in '^ms per decode step' 'fxsplit_eager batch 1: ran over its 1 s limit'; do
+    if ! grep -q "$expected" "$scratch/latency.log" || [ ! -s "$scratch/latency.json" ]; then
+        cat "$scratch/latency.log" >&2
+        echo "bare env check: decode_latency.py printed no '$expected' (or no JSON)" >&2
+        exit 1
+    fi
+done
+
+PYTHON="$py" bash scripts/gpu_check.sh --dry-run >"$scratch/plan.log" ||
+    { cat "$scratch/plan.log" >&2; exit 1; }
+PYTHON="$py" OUT="$scratch" bash scripts/gpu_check.sh >"$scratch/gpu_check.log" 2>&1 ||
+    { cat "$scratch/gpu_check.log" >&2; exit 1; }
+for expected in '^tests    exit 0' ' skipped in ' '^tp nccl  exit 0' '^latency  skipped'; do
+    if ! grep -q "$expected" "$scratch/gpu_check/summary.txt"; then
+        cat "$scratch/gpu_check.log" >&2
+        echo "bare env check: the GPU check's summary lacks '$expected'" >&2
+        exit 1
+    fi
+done
+grep -q 'needs a CUDA/ROCm device' "$scratch/gpu_check/tp_nccl.log"
+echo "bare env check: passed (collection, the scripts start, decode_latency.py under its time" \
+    "limits, gpu_check.sh's plan adds up and it runs through on CPU)"

@@ -7,7 +7,8 @@ it with ``capture="cuda"`` and ``on_capture_error="raise"`` under runners v1 and
 changing batch sizes. Checks, per step, the logits against an eager copy of the same model and
 against the single-process model (within 1e-4: replayed kernels may differ from eager ones), and
 at the end that pieces holding collectives were captured and replayed. Prints one line per
-runner and exits 1 on any failure.
+runner and exits 1 on any failure. Tears down in the one order that cannot hang (see
+:func:`teardown`).
 
 Usage: python3 scripts/tp_nccl_check.py
 """
@@ -15,6 +16,7 @@ Usage: python3 scripts/tp_nccl_check.py
 from __future__ import annotations
 
 import datetime
+import gc
 import sys
 
 import torch
@@ -84,6 +86,21 @@ def check(runner: str, device: str = "cuda", capture: str = "cuda") -> tuple[boo
     return ok, line
 
 
+def teardown(device: torch.device) -> None:
+    """Free every captured graph, wait for ``device``, then destroy the default process group.
+
+    Destroying an NCCL communicator while CUDA graphs that captured its kernels are alive can
+    block for good, so the graphs go first: ``torch._dynamo.reset()`` resets every backend
+    (releasing its graphs and memory pool) and drops Dynamo's compiled code, ``gc.collect()``
+    frees what cycles still hold, and ``torch.cuda.synchronize`` lets queued work finish.
+    """
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.destroy_process_group()
+
+
 def main() -> int:
     if not torch.cuda.is_available() or not dist.is_available():
         print("tp_nccl_check: needs a CUDA/ROCm device and torch.distributed; skipped")
@@ -107,7 +124,7 @@ def main() -> int:
             ok &= good
             print(line, flush=True)
     finally:
-        dist.destroy_process_group()
+        teardown(torch.device("cuda", 0))
     return 0 if ok else 1
 
 

@@ -210,3 +210,20 @@ def test_explain_leaves_nothing_in_dynamo_caches():
 
     torch.compile(model, backend=count)(x)
     assert len(graphs) == 2
+
+
+def test_capture_up_front_runs_without_tqdm(monkeypatch):
+    """A bare GPU box has torch, pytest and numpy only: ``Backend.capture`` goes without its
+    progress bar there and still captures every size, each then replayed."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes ``import tqdm`` raise ImportError
+    fxsplit.counters.reset()
+    backend = fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(lambda x: x.sin() * 2 + 1, backend=backend)
+    inputs = {size: (torch.randn(size, 3),) for size in (2, 4, 8)}
+    backend.capture(compiled, inputs)
+    assert fxsplit.counters.snapshot()["captures"] == 3
+    before = fxsplit.counters.snapshot()["replays"]
+    with torch.no_grad():  # as captured: grad mode is part of Dynamo's guards
+        for (x,) in inputs.values():
+            assert torch.equal(compiled(x), x.sin() * 2 + 1)
+    assert fxsplit.counters.snapshot()["replays"] - before == 3
