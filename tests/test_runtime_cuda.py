@@ -176,9 +176,9 @@ def test_graphs_of_one_backend_share_one_pool():
             x = torch.randn(n, 16, device="cuda")
             assert _close(model(x), net(x))
             model_other(x)
-    pools = [rt.device_capture for rt in backend.runtimes]
+    pools = [rt.pool for rt in backend.runtimes]
     assert len(pools) == 2 and pools[0] is not None and pools[0] is pools[1]
-    assert other.runtimes[0].device_capture is not pools[0]
+    assert other.runtimes[0].pool is not pools[0]
     assert sum(t["replays"] for t in _piece_totals(backend, "graph_1").values()) == 2
 
 
@@ -258,3 +258,86 @@ def test_inductor_pieces_capture_replay_and_match_eager(tmp_path):
     assert compiled, [(r.pieces, r.reason) for r in records]
     replayed = {piece for piece, totals in _piece_totals(backend).items() if totals["replays"]}
     assert compiled <= replayed, (compiled, replayed)
+
+
+def test_an_output_read_after_a_later_replay_overwrote_it_raises_naming_the_fix():
+    """Outputs are handed out over the pool's memory (no copy); one still held when a later
+    replay rewrites that memory raises on read, through torch's own storage access check."""
+    net = _net()
+    model = torch.compile(net, backend=fxsplit.Backend(eager_regions=[MID]), dynamic=False)
+    with torch.no_grad():
+        kept = [model(torch.randn(2, 16, device="cuda")) for _ in range(4)]
+        last = kept[-1].clone()
+        with pytest.raises(RuntimeError, match="clone_outputs"):
+            kept[1].sum().item()
+        with pytest.raises(fxsplit.StaleOutputError):
+            model(kept[1])
+        assert torch.equal(kept[-1], last)  # the newest is whole
+    assert counters.snapshot()["replays"] > 0
+
+
+def test_steady_loop_rebinding_the_output_reads_no_stale_value():
+    net = _net()
+    model = torch.compile(net, backend=fxsplit.Backend(eager_regions=[MID]), dynamic=False)
+    with torch.no_grad():
+        for step in range(6):
+            x = torch.randn(2, 16, device="cuda")
+            out = model(x)
+            assert _close(out, net(x)), step
+    assert counters.snapshot()["replays"] > 0
+
+
+class _KeyFree(nn.Module):
+    """piece_2 reads only a weight: one capture key for every batch size."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        o0 = (x.t() @ x) * 1.5
+        with fxsplit.region(MID):
+            e = o0.sin()
+        h = ((self.w * 2) * self.w.cos()) * 3
+        return e + h, o0
+
+
+def test_a_piece_out_of_capture_order_is_recaptured_and_matches_eager():
+    net = _KeyFree().to("cuda").requires_grad_(False)
+    backend = fxsplit.Backend(eager_regions=[MID], warmup_runs=0)
+    model = torch.compile(net, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for step, n in enumerate([4, 4, 8, 8, 4, 8, 4]):
+            x = torch.randn(n, 16, device="cuda")
+            got, want = model(x), net(x)
+            assert all(_close(g, w) for g, w in zip(got, want, strict=True)), step
+    totals = _piece_totals(backend)
+    assert sum(t["reorders"] for t in totals.values()) >= 1
+    assert sum(t["replays"] for t in totals.values()) > 0
+
+
+def test_a_capture_refused_after_it_succeeded_leaves_the_pool_usable():
+    """An output that requires grad refuses the capture after capture_end; the pool's keeper
+    graph keeps the pool, so the next piece still captures."""
+
+    class Grads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 16))  # requires grad
+
+        def forward(self, x):
+            with torch.enable_grad():
+                y = x @ self.w  # requires grad inside the piece: its capture is refused
+            with fxsplit.region(MID):
+                z = y.detach().sin()
+            return z * 2
+
+    net = Grads().to("cuda")
+    backend = fxsplit.Backend(eager_regions=[MID])
+    model = torch.compile(net, backend=backend, dynamic=False)
+    with torch.no_grad(), pytest.warns(UserWarning, match="requires grad"):
+        for _ in range(4):
+            x = torch.randn(2, 16, device="cuda")
+            assert _close(model(x), net(x))
+    totals = _piece_totals(backend)
+    assert totals["piece_0"]["captures"] == 0 and totals["piece_2"]["replays"] > 0

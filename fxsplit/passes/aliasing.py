@@ -37,12 +37,16 @@ class PieceAliasing:
             else None.
         error: why the analysis could not run (then the other fields are empty and the piece is
             never captured); None when it ran.
+        deferred: an input's size is data-dependent (an unbacked symbol from ``.item()`` or
+            ``nonzero``), unknown until the piece runs: the analysis runs at the piece's first
+            capture, on the real inputs' sizes (then the other fields are empty).
     """
 
     written: frozenset[int] = frozenset()
     metadata_written: frozenset[int] = frozenset()
     output_bases: tuple[int | None, ...] = ()
     error: str | None = None
+    deferred: bool = False
 
     def describe(self, inputs: Sequence[str], outputs: Sequence[str]) -> dict[str, tuple]:
         """Names instead of positions: ``{"writes": (...), "metadata_writes": (...),
@@ -77,6 +81,17 @@ def _hint(value: object) -> object:
             raise ValueError(f"no concrete value for {value} (a data-dependent size)")
         return hint
     return value
+
+
+def _data_dependent(value: object) -> bool:
+    """Whether a traced value's size holds a symbol with no concrete value (unbacked)."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if isinstance(value, torch.Tensor):
+        return bool(free_unbacked_symbols((*value.shape, *value.stride())))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return bool(free_unbacked_symbols(value))
+    return False
 
 
 def _fresh(value: object) -> object:
@@ -116,6 +131,8 @@ def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) ->
 
     if any(v is None for v in example_inputs):
         return PieceAliasing(error="an input has no traced example value")
+    if any(_data_dependent(v) for v in example_inputs):
+        return PieceAliasing(deferred=True)
 
     # Only tensors and scalars are the analysis's inputs; subgraph modules are closed over.
     traced = [i for i, v in enumerate(example_inputs) if isinstance(v, _TRACED)]

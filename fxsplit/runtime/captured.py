@@ -17,6 +17,7 @@ GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 
@@ -139,6 +140,7 @@ class CapturedPiece(torch.nn.Module):
         self.min_warmups = max(runtime.warmup_runs, 1 if compiled else 0)
         self.specs = specs
         self.aliasing = aliasing
+        self.num_outputs = len(piece.output_names)
         self.regions = frozenset(plan_piece.regions)
         self.random = plan_piece.random
         self.runtime = runtime
@@ -375,6 +377,8 @@ class CapturedPiece(torch.nn.Module):
                 grad. Nothing the piece writes is left changed by a failed capture.
         """
         runtime = self.runtime
+        if self.aliasing.deferred:
+            self._analyse(inputs)
         session = runtime.session
         pool = runtime.pool
         binds, statics, buffers = [], [], []
@@ -458,6 +462,26 @@ class CapturedPiece(torch.nn.Module):
         )
         entry.alias_guard = guard if guard is not None and guard.needed else None
         return entry
+
+    def _analyse(self, inputs) -> None:
+        """The aliasing analysis deferred to the first capture (data-dependent input sizes), on
+        this call's inputs; a piece it cannot run on is never captured.
+
+        Raises:
+            _Refused: the analysis failed (the piece runs uncaptured from now on).
+        """
+        from fxsplit.passes import aliasing
+
+        python = self.check_uncompiled or self.run_uncaptured
+        facts = aliasing.analyse(python, list(inputs), self.num_outputs)
+        self.aliasing = facts
+        self.specs = [
+            dataclasses.replace(spec, written=i in facts.written)
+            for i, spec in enumerate(self.specs)
+        ]
+        self.failed = _never_captured(self.specs, facts, ())
+        if self.failed is not None:
+            raise _Refused(self.failed)
 
     def _output_bases(self, outputs, statics) -> list[int | None]:
         """Per output, the input whose static buffer it shares memory with at this capture key,
@@ -760,7 +784,7 @@ def _shared(specs, j: int, i: int) -> str:
 def _refuse_grad(outputs) -> None:
     for out in _flat(outputs):
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            raise _Refused(
+            raise RuntimeError(
                 "an output requires grad (grad is enabled inside the piece); a replay would "
                 "return it with the capture step's grad_fn"
             )

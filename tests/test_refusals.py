@@ -1,0 +1,136 @@
+"""A piece the runtime will not capture says so: ``on_capture_error="raise"`` raises on the first
+such call with the reason; ``"fallback"`` runs it uncaptured, counts the reason per piece in
+``Backend.stats`` (``{"refused": {reason: calls}}``) and warns once per reason."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
+
+D = 4
+MID = "refusal_mid"
+
+
+def _writes_a_reads_b(a, b):
+    """piece_0 writes ``a`` and reads ``b``: handing views of one tensor as both cannot be kept
+    by two static copies."""
+    a.mul_(0.5)
+    h = b.sin() + a
+    with fxsplit.region(MID):
+        h = h.cos()
+    return h * 2
+
+
+def _shared_views(step):
+    base = torch.randn(2 * D, D, generator=torch.Generator().manual_seed(step))
+    return base[:D], base[D:]
+
+
+def _apart(step):
+    a, b = _shared_views(step)
+    return a.clone(), b.clone()
+
+
+def _compile(fn, dynamic=None, **options):
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[MID], **options)
+    return torch.compile(fn, backend=backend, dynamic=dynamic), backend
+
+
+def _split(x):
+    h = x.sin() * 2
+    with fxsplit.region(MID):
+        h = h.cos()
+    return h + 1
+
+
+def _refused(backend, piece="piece_0"):
+    return backend.stats["graph_0"][piece].get("refused", {})
+
+
+def test_raise_refuses_inputs_sharing_storage_with_a_written_input_on_the_first_such_call():
+    model, _ = _compile(_writes_a_reads_b, on_capture_error="raise")
+    with torch.no_grad():
+        model(*_apart(0))  # warm-up
+        model(*_apart(1))  # capture
+        with pytest.raises(fxsplit.CaptureRefusedError, match="share storage"):
+            model(*_shared_views(2))
+
+
+def test_fallback_counts_and_warns_once_for_inputs_sharing_storage():
+    model, backend = _compile(_writes_a_reads_b)
+    with torch.no_grad(), pytest.warns(UserWarning, match="share storage") as seen:
+        for step in range(6):
+            a, b = _shared_views(step) if step >= 2 else _apart(step)
+            a_e, b_e = (t.clone() for t in (a, b))
+            if step >= 2:  # keep the eager copy aliased like the compiled one
+                base = torch.cat([a_e, b_e])
+                a_e, b_e = base[:D], base[D:]
+            assert torch.equal(model(a, b), _writes_a_reads_b(a_e, b_e)), step
+    assert len([w for w in seen if "share storage" in str(w.message)]) == 1
+    assert sum(_refused(backend).values()) == 4
+    keys = backend.stats["graph_0"]["piece_0"]
+    assert sum(c.get("captures", 0) for k, c in keys.items() if k != "refused") == 1
+
+
+def test_raise_refuses_a_piece_the_aliasing_analysis_cannot_run_on(monkeypatch):
+    from fxsplit.passes import aliasing
+
+    def broken():
+        raise ImportError("no collector in this torch")
+
+    monkeypatch.setattr(aliasing, "_collector", broken)
+    model, _ = _compile(_split, on_capture_error="raise")
+    with torch.no_grad(), pytest.raises(fxsplit.CaptureRefusedError, match="aliasing analysis"):
+        model(torch.randn(3))
+
+
+def test_raise_reports_an_output_that_requires_grad():
+    class Grads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(D, D))
+
+        def forward(self, x):
+            with torch.enable_grad():
+                y = x @ self.w  # leaves its piece requiring grad
+            with fxsplit.region(MID):
+                z = y.detach().sin()
+            return z * 2
+
+    model, _ = _compile(Grads(), on_capture_error="raise")
+    with torch.no_grad():
+        model(torch.randn(2, D))  # warm-up
+        with pytest.raises(RuntimeError, match="requires grad"):
+            model(torch.randn(2, D))
+
+
+def test_raise_refuses_when_max_captured_keys_is_reached():
+    model, _ = _compile(
+        _split, dynamic=True, on_capture_error="raise", max_captured_keys=1, warmup_runs=0
+    )
+    with torch.no_grad():
+        model(torch.randn(2, D))
+        with pytest.raises(fxsplit.CaptureRefusedError, match="max_captured_keys=1"):
+            model(torch.randn(3, D))
+
+
+def test_raise_refuses_grad_enabled_inputs_that_require_grad():
+    model, _ = _compile(_split, on_capture_error="raise")
+    with pytest.raises(fxsplit.CaptureRefusedError, match="requires grad"):
+        model(torch.randn(2, D, requires_grad=True))
+
+
+def test_fallback_never_warns_for_pieces_that_capture():
+    model, backend = _compile(_split)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            model(torch.randn(2, D))
+    assert not _refused(backend)
