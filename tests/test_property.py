@@ -1,21 +1,30 @@
 """Property-based tests of the whole backend: splitting never changes a single number.
 
 Every example is a small program: a hypothesis-drawn list of instructions (elementwise and
-reduction ops, matmuls, views, in-place ops on intermediates and on inputs, multi-output ops with
-getitem, a custom two-output op, ``torch.Size`` values used later, SymInt arithmetic, a per-step
-int argument, tensor constants, submodules, ``no_grad`` blocks and regions, nested too, and at
-most one graph break) run by one ``nn.Module`` whose ``forward`` interprets it (Dynamo unrolls
-the loop, so one module class serves every example). The example also draws the runner (``v1``,
-``v2`` or a custom runner with every region eager), the capture mode (``"off"`` or
-``"emulate"``), ``dynamic``, the outer grad mode, splitting ops, eager modules, warm-up runs,
-verify, capture sizes, ``clone_outputs``, ``max_captured_keys`` and whether each step's second
-input is the previous step's output.
+reduction ops, matmuls, views, in-place ops on intermediates and on inputs, in-place metadata
+changes of intermediates (``t_``, ``transpose_``, ``as_strided_``, ``unsqueeze_``, on square and
+non-square registers), random ops, values stored through side effects (a dict entry, a module
+attribute, a forward hook), multi-output ops with getitem, a custom two-output op, ``torch.Size``
+values used later, SymInt arithmetic, a per-step int argument, tensor constants, submodules,
+``no_grad`` blocks and regions, nested too, and at most one graph break) run by one
+``nn.Module`` whose ``forward`` interprets it (Dynamo unrolls the loop, so one module class
+serves every example). The example also draws the runner (``v1``, ``v2`` or a custom runner with
+every region eager), the capture mode (``"off"`` or ``"emulate"``), ``dynamic``, the outer grad
+mode, splitting ops, eager modules, warm-up runs, verify, capture sizes, ``clone_outputs``,
+``max_captured_keys``, ``on_capture_error``, whether each step's second input is the previous
+step's output, whether the caller keeps every step's outputs and stored values, and the capture
+order: pieces that capture steps later than others (more warm-ups, or a first capture refused).
 
 Property: ``torch.compile(model, backend=fxsplit.Backend(...))`` returns exactly what eager
-returns (``torch.equal``), and leaves its inputs exactly as eager leaves them, on every call: under
-``"emulate"`` the model is called several times with new data of one batch size and of a second
-one, so warm-up, capture and replays all happen. Runner v2 gets persistent input buffers refilled
-in place (its contract); the others get fresh tensors.
+returns (``torch.equal``), stores what eager stores, and leaves its inputs exactly as eager leaves
+them, on every call, and whatever the caller kept still holds its step's values at the end:
+under ``"emulate"`` the model is called several times with new data of one batch size and of a
+second one, so warm-up, capture and replays all happen, into one memory pool that reuses freed
+memory as the CUDA caching allocator does. Runner v2 gets persistent input buffers refilled in
+place (its contract); the others get fresh tensors. Loud outcomes are allowed where they are the
+contract: under ``on_capture_error="raise"`` a capture refusal (the same case under
+``"fallback"`` must count one), and ``StaleOutputError`` for an output fed back into a step
+whose first graph does not read it (the case must then pass with ``clone_outputs``).
 
 Profiles (``tests/conftest.py``, selected by ``HYPOTHESIS_PROFILE``): ``ci`` (default, 200
 examples, derandomized) and ``long`` (3000 random examples):
@@ -46,6 +55,7 @@ from hypothesis import strategies as st
 
 import fxsplit
 from fxsplit.runners import Runner
+from fxsplit.runtime.captured import _Refused
 
 D = 4  # feature width of every register; the batch dim varies
 CUSTOM_REGION = "prop_local"  # a region no built-in runner runs eagerly
@@ -68,6 +78,8 @@ REDUCE = ("sum", "mean", "amax", "sum0", "softmax")
 VIEWS = ("rt", "tt", "flat", "us", "perm")
 INPLACE = ("mul_", "add_", "clamp_", "sin_", "setitem")
 SIZE_USES = ("reshape", "new_ones", "scale", "expand")
+METADATA_CHANGES = ("t_", "transpose_", "as_strided_", "unsqueeze_")
+STORES = ("dict", "attr", "hook")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +187,20 @@ class Interp(nn.Module):
         self.w1 = nn.Parameter(torch.rand(D, D) - 0.5)
         self.mods = nn.ModuleList([PropMlp(), PropMix()])
         self.requires_grad_(False)
+        # values the program stores through side effects (Dynamo returns them from the graph and
+        # stores them after it runs): a dict entry, a module attribute, a forward hook's output
+        self.kept: dict[str, torch.Tensor] = {}
+        self.mods[0].register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        self.kept["hook"] = out
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        """What the last call stored through side effects."""
+        found = dict(self.kept)
+        if "kept_attr" in vars(self):
+            found["attr"] = vars(self)["kept_attr"]
+        return found
 
     def forward(self, x, y, n):
         regs = [x, y]
@@ -309,6 +335,29 @@ class Interp(nn.Module):
             _write_through(WRITE_VIEWS[ins[1]](t), src[:, 0] * 0.5 + 1, ins[2])
         elif kind == "alias":
             regs.append(ALIAS_VIEWS[ins[1]](regs[ins[2] % n]))
+        elif kind == "meta":
+            # an in-place metadata change of an intermediate, then a kernel reading it
+            t = regs[ins[2] % n] * 1.5
+            if ins[1] == "t_":
+                t.t_()
+            elif ins[1] == "transpose_":
+                t.transpose_(0, 1)
+            elif ins[1] == "as_strided_":
+                t.as_strided_((t.shape[1], t.shape[0]), (1, t.shape[1]))
+            else:  # unsqueeze_ + squeeze_: same shape back, metadata changed twice
+                t.unsqueeze_(0).squeeze_(0)
+            u = t + 1
+            regs.append(u if u.shape == regs[0].shape else u.t())
+        elif kind == "rand":
+            regs.append(regs[ins[1] % n] + torch.rand_like(regs[ins[1] % n]))
+        elif kind == "store":
+            r = regs[ins[2] % n]
+            if ins[1] == "dict":
+                self.kept["dict"] = r * 0.5
+            elif ins[1] == "attr":
+                self.kept_attr = r + 0.25
+            else:  # through the forward hook of mods[0]
+                regs.append(self.mods[0](r))
         else:
             raise AssertionError(kind)
 
@@ -337,6 +386,9 @@ class Case:
     warmup_runs: int = 1
     verify: bool = False
     seed: int = 0
+    keep: bool = False  # the caller keeps every step's outputs and stored values, read at the end
+    late: tuple[int, ...] = ()  # extra warm-ups of piece i (cycled): pieces capture at later steps
+    refuse_once: bool = False  # the first capture of every other piece is refused
     options: dict = field(default_factory=dict, compare=False)
 
 
@@ -369,6 +421,9 @@ OPS = st.one_of(
         REG,
     ),
     st.tuples(st.just("alias"), st.sampled_from(sorted(ALIAS_VIEWS)), REG),
+    st.tuples(st.just("meta"), st.sampled_from(METADATA_CHANGES), REG),
+    st.tuples(st.just("rand"), REG),
+    st.tuples(st.just("store"), st.sampled_from(STORES), REG),
 )
 
 
@@ -426,6 +481,9 @@ def cases(draw):
         seed=draw(st.integers(0, 2**16)),
         feedback=draw(st.booleans()),
         binding=draw(st.sampled_from((None, None, "copy", "strict"))),
+        keep=draw(st.booleans()),
+        late=tuple(draw(st.lists(st.integers(0, 1), max_size=3))),
+        refuse_once=draw(st.integers(0, 3)) == 3,
         options=draw(
             st.fixed_dictionaries(
                 {},
@@ -433,6 +491,7 @@ def cases(draw):
                     "capture_sizes": st.sampled_from(((b1,), (b2,), (b1, b2))),
                     "clone_outputs": st.booleans(),
                     "max_captured_keys": st.integers(1, 2),
+                    "on_capture_error": st.sampled_from(("raise", "raise", "fallback")),
                 },
             )
         ),
@@ -464,6 +523,12 @@ FEATURES = (
     "capture=emulate",
     "write_through_view",
     "alias_register",
+    "metadata_inplace",
+    "random",
+    "side_effect_store",
+    "kept_outputs",
+    "late_capture",
+    "on_capture_error=raise",
 )
 
 _OP_FEATURES = {
@@ -486,6 +551,9 @@ _OP_FEATURES = {
     "const": "tensor_constant",
     "write_view": "write_through_view",
     "alias": "alias_register",
+    "meta": "metadata_inplace",
+    "rand": "random",
+    "store": "side_effect_store",
 }
 _SPLIT_OP_OF = {"topk": "aten::topk", "custom2": "fxsplit_prop::two", "split": "aten::split"}
 
@@ -528,6 +596,12 @@ def features(case: Case) -> set[str]:
     if case.feedback:
         found.add("output_fed_back")
     found.update(f"option:{k}" for k in case.options)
+    if case.keep:
+        found.add("kept_outputs")
+    if any(case.late) or case.refuse_once:
+        found.add("late_capture")
+    if case.options.get("on_capture_error") == "raise":
+        found.add("on_capture_error=raise")
     flat = list(_flatten(case.program))
     saved_at = None  # position of the first size_save
     for pos, (ins, path, grad) in enumerate(flat):
@@ -596,8 +670,78 @@ def _no_gc():
     return mock.patch.object(gc, "collect", lambda generation=2: 0)
 
 
+class _Schedule(fxsplit.Backend):
+    """A backend whose pieces capture at later steps than they would: ``late[i]`` more warm-ups
+    for captured piece ``i`` (cycled), and, with ``refuse_once``, the first capture of every
+    other piece refused (as a call whose inputs' layout a capture cannot keep is)."""
+
+    def __init__(self, late: tuple[int, ...], refuse_once: bool, **options):
+        super().__init__(**options)
+        self._late = late
+        self._refuse_once = refuse_once
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        before = len(self.runtimes)
+        compiled = super().__call__(gm, example_inputs, **kwargs)
+        for runtime in self.runtimes[before:]:
+            for i, piece in enumerate(runtime.pieces):
+                if self._late:
+                    piece.min_warmups += self._late[i % len(self._late)]
+                if self._refuse_once and i % 2 == 0:
+                    piece._capture = _refusing_once(piece._capture)
+        return compiled
+
+
+def _refusing_once(capture):
+    refused = []
+
+    def refuse_first(key, inputs):
+        if not refused:
+            refused.append(key)
+            raise _Refused("refused once (property test)")
+        return capture(key, inputs)
+
+    return refuse_first
+
+
+def _capture_refusal(error: BaseException) -> bool:
+    """An error ``on_capture_error="raise"`` raises for a piece it cannot capture."""
+    return isinstance(error, (fxsplit.CaptureRefusedError, fxsplit.CaptureError)) or (
+        type(error) is RuntimeError and "requires grad" in str(error)
+    )
+
+
 def run_case(case: Case) -> fxsplit.Backend:
-    """Compile ``case`` and compare every call against eager; returns the backend."""
+    """Compile ``case`` and compare every call against eager; returns the backend.
+
+    Under ``on_capture_error="raise"`` a capture refusal may end the run: the same case under
+    ``"fallback"`` must then have counted a refusal. A fed-back output that the model reads only
+    after a graph break may have been overwritten by the first graph's replays (a shared pool):
+    that must end in ``StaleOutputError``, and the case must pass with ``clone_outputs``.
+    """
+    try:
+        return _run_case(case)
+    except fxsplit.StaleOutputError as error:
+        graph_break = any(ins[0] == "graph_break" for ins in case.program)
+        assert case.feedback and graph_break, f"unexpected stale output: {error}"
+        assert "clone_outputs" in str(error), error
+        return _run_case(dataclasses.replace(case, options={**case.options, "clone_outputs": True}))
+    except Exception as error:
+        if case.options.get("on_capture_error") != "raise" or not _capture_refusal(error):
+            raise
+        options = {**case.options, "on_capture_error": "fallback"}
+        backend = _run_case(dataclasses.replace(case, options=options))
+        refused = [
+            keys["refused"]
+            for pieces in backend.stats.values()
+            for keys in pieces.values()
+            if "refused" in keys
+        ]
+        assert refused, f"raised {error!r}, but the fallback run refused nothing"
+        return backend
+
+
+def _run_case(case: Case) -> fxsplit.Backend:
     torch._dynamo.reset()
     model = Interp(case.program, case.outputs, case.host_outputs, seed=case.seed % 7)
     options = {
@@ -610,13 +754,15 @@ def run_case(case: Case) -> fxsplit.Backend:
         "input_binding": case.binding,
         **case.options,
     }
-    backend = fxsplit.Backend(**options)
+    refuse_once = case.refuse_once and options.get("on_capture_error") != "raise"
+    backend = _Schedule(case.late, refuse_once, **options)
     exact = options.get("compile_pieces", "auto") != "inductor"
     fullgraph = not any(ins[0] == "graph_break" for ins in case.program)
     compiled = torch.compile(model, backend=backend, dynamic=case.dynamic, fullgraph=fullgraph)
     # strict binding: the runner hands its own persistent buffers, refilled in place
     persistent = case.binding == "strict" or (RUNNERS[case.runner] == "v2" and not case.binding)
     held: list[tuple[torch.Tensor, torch.Tensor]] = []  # caller tensors of earlier steps
+    kept: list[tuple] = []  # (expected, got, step, caller buffers) the caller keeps
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     grad = contextlib.nullcontext if case.outer_grad else torch.no_grad
     gen = torch.Generator().manual_seed(case.seed)
@@ -648,8 +794,12 @@ def run_case(case: Case) -> fxsplit.Backend:
             ]
             with grad():
                 n = case.ints[step % 2]
+                torch.manual_seed(step)  # random ops draw the same numbers in both
                 expected = model(xe, ye, n)
+                stored_e = model.stored()
+                torch.manual_seed(step)
                 got = compiled(xc, yc, n)
+                stored_c = model.stored()
             for t, snap in held:  # never handed in this step: nothing may have written them
                 assert torch.equal(t, snap), (
                     f"step {step}: a caller tensor of an earlier step changed"
@@ -661,11 +811,31 @@ def run_case(case: Case) -> fxsplit.Backend:
                     # this step's replay overwrote it (README, "Output lifetime")
                     continue
                 assert _same(e, g, exact), f"step {step} (batch {b}): output {i} differs\n{e}\n{g}"
+            assert stored_e.keys() == stored_c.keys(), step
+            for name, e in stored_e.items():
+                assert _same(e, stored_c[name], exact), f"step {step}: stored {name} differs"
             assert _same(xe, xc, exact), f"step {step} (batch {b}): input x differs"
             if not fed:  # a fed-back output may be overwritten by this step's replay (documented)
                 assert _same(ye, yc, exact), f"step {step} (batch {b}): input y differs"
                 held.append((yc, yc.clone()))
             held.append((xc, xc.clone()))
+            if case.keep:
+                mine = [t for pair in buffers.values() for t in pair]
+                kept.append(
+                    (
+                        (*expected, *stored_e.values()),
+                        (*got, *stored_c.values()),
+                        step,
+                        mine,
+                    )
+                )
+    # What the caller kept from earlier steps still holds those steps' values (outputs in the
+    # caller's own persistent buffers change with the buffers, as in eager they would not).
+    for expected_then, got_then, step, mine in kept:
+        for e, g in zip(expected_then, got_then, strict=True):
+            if isinstance(g, torch.Tensor) and any(_shares_storage(g, t) for t in mine):
+                continue
+            assert _same(e, g, exact), f"a value kept from step {step} changed"
     return backend
 
 
@@ -692,7 +862,9 @@ def test_inductor_pieces_equal_eager(case, sized, tmp_path_factory):
     compiled = {**case.options, "compile_pieces": "inductor", "cache_dir": folder}
     if sized:
         compiled["compile_sizes"] = [case.sizes[0]]
-    backend = run_case(dataclasses.replace(case, options=compiled))
+    # Inductor draws random numbers its own way unless told to call eager's ops
+    with torch._inductor.config.patch(fallback_random=True):
+        backend = run_case(dataclasses.replace(case, options=compiled))
     outcomes = {r.outcome for split in backend.compiled for r in split.compiled_pieces or ()}
     event(f"piece outcomes: {sorted(outcomes)}, compile_sizes: {sized}")
 

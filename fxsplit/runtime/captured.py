@@ -303,9 +303,10 @@ class CapturedPiece(torch.nn.Module):
             self.warmups[key] = done + 1
             return self._uncaptured(inputs, key)
         if len(self.entries) >= runtime.max_captured_keys:
-            runtime.warn_key_limit(self)
-            if runtime.on_capture_error == "raise":
-                self._refuse(f"max_captured_keys={runtime.max_captured_keys} reached")
+            self._refuse(
+                f"max_captured_keys={runtime.max_captured_keys} reached; further keys run "
+                "uncaptured"
+            )
             return self._uncaptured(inputs, key)
         if runtime.checking:
             self.entries[key] = self._fix_addresses(key, inputs)

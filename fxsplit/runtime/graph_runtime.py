@@ -537,14 +537,6 @@ class GraphRuntime:
                 f"10 steps: {reason}; every recapture costs a capture of every piece",
             )
 
-    def warn_key_limit(self, piece: CapturedPiece) -> None:
-        """Warn once that ``piece`` reached ``max_captured_keys``."""
-        self._warn_once(
-            "keys",
-            f"fxsplit {self.graph_id}: {piece.name} reached max_captured_keys="
-            f"{self.max_captured_keys}; further keys run uncaptured",
-        )
-
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{piece: {key: counters}}`` for every captured piece."""
         return {p.name: p.stats.as_dict() for p in self.pieces}
