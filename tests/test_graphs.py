@@ -52,6 +52,9 @@ class _Graph:
     def reset(self):
         self.calls.append(("reset",))
 
+    def register_generator_state(self, generator):
+        self.calls.append(("register", generator))
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
@@ -127,6 +130,30 @@ def test_an_empty_keeper_graph_holds_each_pool_before_its_first_capture(fake_cud
     shared.renew("test")
     graphs.CudaGraph(shared).capture(lambda: None)
     assert len(_Graph.made) == 5 and _Graph.made[4].calls[0][1] == shared.pool
+
+
+def test_a_graph_registers_the_generators_its_piece_draws_from_before_capture(fake_cuda):
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    generator = object()  # stands in for a torch.Generator(device="cuda")
+    graph = graphs.CudaGraph(shared, generators=[generator])
+    graph.capture(lambda: None)
+    assert graph._graph.calls[0] == ("register", generator)
+    assert graph._graph.calls[1][0] == "begin"
+
+
+def test_the_cublas_workspaces_are_cleared_around_each_capture(fake_cuda, monkeypatch):
+    cleared = []
+    monkeypatch.setattr(
+        torch._C, "_cuda_clearCublasWorkspaces", lambda: cleared.append(1), raising=False
+    )
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    graph = graphs.CudaGraph(shared)
+
+    def fn():
+        assert len(cleared) == 1  # before capture_begin
+        return "out"
+
+    assert graph.capture(fn) == "out" and len(cleared) == 2
 
 
 def test_reset_of_captured_graphs_takes_a_fresh_pool(fake_cuda, monkeypatch):

@@ -859,3 +859,25 @@ def test_v2_frame_called_by_eager_model_code_reads_the_models_fresh_values(captu
         for _ in range(4):
             x.add_(1)
             torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+
+
+def test_piece_after_a_data_dependent_size_is_analysed_at_capture_and_replays():
+    """A piece whose input size comes from ``nonzero`` (an unbacked symbol) cannot be analysed at
+    split time: it is analysed at its first capture on the real sizes, then replays (before, it
+    always ran uncaptured)."""
+
+    def f(x):
+        idx = torch.nonzero(x > 0)  # data-dependent: runs eagerly
+        return (idx.float() * 2 + 1).sum(0)
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        cf, backend = _compile(f, splitting_ops=[])
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for step in range(6):
+                x = torch.tensor([1.0, -1.0, 2.0, 3.0 if step < 4 else -3.0])
+                assert torch.equal(cf(x), f(x)), step
+    stats = backend.stats["graph_0"]
+    after = [p for p in backend.plans[0].captured if "nonzero" not in " ".join(p.nodes)][-1]
+    assert sum(c.get("replays", 0) for c in stats[after.name].values()) >= 2
+    assert not any("refused" in keys for keys in stats.values())

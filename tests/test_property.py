@@ -704,6 +704,31 @@ def _refusing_once(capture):
     return refuse_first
 
 
+# Why a piece may legitimately run uncaptured in these programs; any other reason (an error of
+# fxsplit's own that a capture hit) fails the property.
+EXPECTED_REFUSALS = (
+    "CaptureError: ",
+    "RuntimeError: an output requires grad",
+    "share storage",
+    "max_captured_keys=",
+    "refused once (property test)",
+    "overlaps itself",
+    "strides differ from the capture's",
+    "hands it a value fxsplit produced",
+    "changes the size or stride of input",
+)
+
+
+def _unexpected_refusals(backend: fxsplit.Backend) -> list[str]:
+    return [
+        reason
+        for pieces in backend.stats.values()
+        for keys in pieces.values()
+        for reason in keys.get("refused", {})
+        if not any(known in reason for known in EXPECTED_REFUSALS)
+    ]
+
+
 def _capture_refusal(error: BaseException) -> bool:
     """An error ``on_capture_error="raise"`` raises for a piece it cannot capture."""
     return isinstance(error, (fxsplit.CaptureRefusedError, fxsplit.CaptureError)) or (
@@ -836,6 +861,8 @@ def _run_case(case: Case) -> fxsplit.Backend:
             if isinstance(g, torch.Tensor) and any(_shares_storage(g, t) for t in mine):
                 continue
             assert _same(e, g, exact), f"a value kept from step {step} changed"
+    unexpected = _unexpected_refusals(backend)
+    assert not unexpected, f"pieces ran uncaptured for unexpected reasons: {unexpected}"
     return backend
 
 

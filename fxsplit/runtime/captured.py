@@ -120,10 +120,18 @@ class CapturedPiece(torch.nn.Module):
         aliasing: what the piece writes and aliases (:mod:`fxsplit.passes.aliasing`).
         plan_piece: the :class:`~fxsplit.plan.Piece` (regions for messages, devices).
         runtime: the :class:`~fxsplit.runtime.graph_runtime.GraphRuntime` that owns it.
+        generators: the CUDA generators other than the default one its nodes draw from.
     """
 
     def __init__(
-        self, piece, specs: list[InputSpec], key_reads, aliasing: PieceAliasing, plan_piece, runtime
+        self,
+        piece,
+        specs: list[InputSpec],
+        key_reads,
+        aliasing: PieceAliasing,
+        plan_piece,
+        runtime,
+        generators: tuple = (),
     ):
         super().__init__()
         self.name = piece.name
@@ -141,6 +149,7 @@ class CapturedPiece(torch.nn.Module):
         self.specs = specs
         self.aliasing = aliasing
         self.num_outputs = len(piece.output_names)
+        self.generators = generators
         self.regions = frozenset(plan_piece.regions)
         self.random = plan_piece.random
         self.runtime = runtime
@@ -321,9 +330,11 @@ class CapturedPiece(torch.nn.Module):
         except Exception as error:
             # A failed capture leaves nothing behind (see _capture). Running the piece uncaptured
             # tells a model error (it raises again, unchanged, and capture stays on for the next
-            # input) from an op that cannot be captured (it runs).
+            # input) from an op that cannot be captured (it runs). Capture rejects ops with a
+            # RuntimeError (CaptureError, CUDA's errors); anything else that the plain run does
+            # not raise again is fxsplit's own fault, and is never hidden as a refusal.
             out = self._uncaptured(inputs, key)
-            if runtime.on_capture_error == "raise":
+            if runtime.on_capture_error == "raise" or not isinstance(error, RuntimeError):
                 raise
             self.failed = f"{type(error).__name__}: {error}"
             self._refuse(self.failed)
@@ -406,7 +417,7 @@ class CapturedPiece(torch.nn.Module):
         for i, buffer in enumerate(buffers):
             if buffer is not None and buffer.static is not inputs[i] and buffer.mark is None:
                 buffer.mark = session.sync_mark(inputs[i])
-        graph = pool.new_graph()
+        graph = pool.new_graph(self.generators)
         # The emulator runs the piece while recording; if the capture then fails, the fallback
         # run must find what the piece writes as it was (a CUDA capture executes nothing).
         emulated = runtime.mode == "emulate"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
 
 from fxsplit import counters
 from fxsplit.config import Config
@@ -335,7 +336,9 @@ class GraphRuntime:
                     inputs, producer, facts.written, volatile, resumed=self._resumed
                 )
                 reads = binding.key_reads(specs, inputs)
-                captured = CapturedPiece(module, specs, reads, facts, plan_piece, self)
+                captured = CapturedPiece(
+                    module, specs, reads, facts, plan_piece, self, _generators(part.nodes)
+                )
                 materialise.bind_piece(self._stitched, captured)
                 pieces.append(captured)
             for name in module.output_names:
@@ -602,6 +605,16 @@ def _argument(node) -> str | None:
     if isinstance(name, str) and name.startswith("L['") and name.endswith("']"):
         return name[3:-2]
     return None
+
+
+def _generators(nodes) -> tuple:
+    """The CUDA generators other than the default ones that ``nodes`` pass to their ops."""
+    found: dict[int, torch.Generator] = {}
+    for node in nodes:
+        for value in tree_leaves((node.args, node.kwargs)):
+            if isinstance(value, torch.Generator) and value.device.type == "cuda":
+                found.setdefault(id(value), value)
+    return tuple(found.values())
 
 
 def _hand_back(out: tuple, handed: list) -> tuple:

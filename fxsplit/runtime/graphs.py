@@ -98,12 +98,17 @@ class CudaGraph:
 
     Args:
         capture: the backend's :class:`DeviceCapture` for the piece's device.
+        generators: CUDA generators other than the default one that the piece draws from; each
+            is registered with the graph (``register_generator_state``), without which a
+            capture drawing from it fails.
     """
 
-    def __init__(self, capture: DeviceCapture):
+    def __init__(self, capture: DeviceCapture, generators=()):
         self._graph = torch.cuda.CUDAGraph()
         self._capture = capture
         self._index = capture.device.index if capture.device.index is not None else 0
+        for generator in generators:
+            self._graph.register_generator_state(generator)
 
     def capture(self, fn, *args):
         """Capture ``fn(*args)`` and replay it once so the outputs hold this call's result.
@@ -160,9 +165,15 @@ class CudaGraph:
         self._graph.reset()
 
 
-def new_graph(mode: str, capture: DeviceCapture | None = None, pool: EmulatedPool | None = None):
-    """A fresh graph object for capture mode ``"cuda"`` (needs ``capture``) or ``"emulate"``
-    (into ``pool``, a private one when None)."""
+def new_graph(
+    mode: str,
+    capture: DeviceCapture | None = None,
+    pool: EmulatedPool | None = None,
+    generators=(),
+):
+    """A fresh graph object for capture mode ``"cuda"`` (needs ``capture``; registers
+    ``generators``) or ``"emulate"`` (into ``pool``, a private one when None; a CPU generator
+    needs no registration)."""
     if mode == "cuda":
-        return CudaGraph(capture)
+        return CudaGraph(capture, generators)
     return EmulatedGraph(pool)

@@ -55,9 +55,10 @@ class MemoryPool:
         self.step = 0
         self._order = 0
 
-    def new_graph(self):
-        """A fresh graph that captures into this pool."""
-        return new_graph(self.mode, self.cuda, self.emulated)
+    def new_graph(self, generators=()):
+        """A fresh graph that captures into this pool (``generators``: the CUDA generators other
+        than the default one that it draws from)."""
+        return new_graph(self.mode, self.cuda, self.emulated, generators)
 
     def next_order(self) -> int:
         """The capture order of a graph being captured now (the newest); it is the step's
