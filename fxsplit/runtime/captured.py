@@ -29,7 +29,7 @@ from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec
 from fxsplit.runtime.stats import PieceStats
-from fxsplit.runtime.storage import clone_sharing
+from fxsplit.runtime.storage import clone_sharing, storage_ptr
 
 _TOTALS = counters.totals
 _OWN, _ADDRESS, _PINNED = Bind.OWN, Bind.ADDRESS, Bind.PINNED
@@ -453,7 +453,7 @@ class CapturedPiece(torch.nn.Module):
                 # fxsplit's own memory: later pieces read it where it is (a view of a caller's
                 # tensor or parameter is never bound that way: a copy into it would write there)
                 runtime.static_outputs[id(out)] = out
-                ptr = out.untyped_storage().data_ptr()
+                ptr = storage_ptr(out)
                 pool.owners[ptr] = order
                 owned.append((id(out), ptr))
         checks = tuple(
@@ -503,15 +503,15 @@ class CapturedPiece(torch.nn.Module):
         owners: dict[int, int] = {}
         for i, static in enumerate(statics):
             if isinstance(static, torch.Tensor) and static.numel():
-                owners.setdefault(_storage(static), i)
+                owners.setdefault(storage_ptr(static), i)
         bases: list[int | None] = []
         for j, out in enumerate(_flat(outputs)):
             if not isinstance(out, torch.Tensor) or not out.numel():
                 bases.append(None)
                 continue
-            ptr = _storage(out)
+            ptr = storage_ptr(out)
             fact = facts[j] if j < len(facts) else None
-            if fact is not None and _storage(statics[fact]) == ptr:
+            if fact is not None and storage_ptr(statics[fact]) == ptr:
                 bases.append(fact)
             else:
                 bases.append(owners.get(ptr))
@@ -749,14 +749,14 @@ class _AliasGuard:
         self.own = tuple(i for i, b in enumerate(binds) if b == _OWN)
         self.wide = any(binds[i] == _OWN for i in written)
         self.fixed = {
-            _storage(inputs[i]): i for i in written if binds[i] != _OWN and inputs[i].numel()
+            storage_ptr(inputs[i]): i for i in written if binds[i] != _OWN and inputs[i].numel()
         }
         # pairs of OWN or written inputs whose static buffers share memory: sharing is kept there
         groups: dict[int, list[int]] = {}
         for i in {*self.own, *written}:
             static = statics[i]
             if isinstance(static, torch.Tensor) and static.numel():
-                groups.setdefault(_storage(static), []).append(i)
+                groups.setdefault(storage_ptr(static), []).append(i)
         self.paired = frozenset(
             (i, j) for group in groups.values() for i in group for j in group if i != j
         )
@@ -769,7 +769,7 @@ class _AliasGuard:
             seen: dict[int, int] = {}
             for i, value in enumerate(inputs):
                 if isinstance(value, torch.Tensor) and value.numel():
-                    j = seen.setdefault(_storage(value), i)
+                    j = seen.setdefault(storage_ptr(value), i)
                     if j != i and (j, i) not in self.paired:
                         raise _Refused(_shared(specs, j, i))
             return
@@ -777,13 +777,9 @@ class _AliasGuard:
         for i in self.own:
             value = inputs[i]
             if value.numel():  # empty tensors all report storage address 0
-                j = fixed.get(_storage(value))
+                j = fixed.get(storage_ptr(value))
                 if j is not None and (j, i) not in self.paired:
                     raise _Refused(_shared(specs, j, i))
-
-
-def _storage(value: torch.Tensor) -> int:
-    return value.untyped_storage().data_ptr()
 
 
 def _shared(specs, j: int, i: int) -> str:

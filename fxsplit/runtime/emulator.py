@@ -35,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from fxsplit.collectives import is_collective
 from fxsplit.runtime.emulated_pool import EmulatedPool
+from fxsplit.runtime.storage import storage_ptr
 
 __all__ = ["CaptureError", "EmulatedGraph", "call_opaque"]
 
@@ -245,13 +246,6 @@ def _freeze_sym(value: Any) -> Any:
     return value
 
 
-def _storage_ptr(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # sparse / storage-less tensors
-        return None
-
-
 def _callable(func: Any) -> Callable:
     # OpOverload.__call__ is ``self._op(*args, **kwargs)``; calling _op saves a frame per step.
     if type(func) is torch._ops.OpOverload:
@@ -412,14 +406,14 @@ class _Recorder(TorchDispatchMode):
             self.actions.append((name, "restore"))
             return out
         flat_in, spec = tree_flatten((args, kwargs))
-        in_ptrs = {_storage_ptr(a) for a in flat_in if isinstance(a, torch.Tensor)} - {None}
+        in_ptrs = {storage_ptr(a) for a in flat_in if isinstance(a, torch.Tensor)} - {None}
         flat_in = [self._alias(_freeze_sym(a)) for a in flat_in]
         args, kwargs = tree_unflatten(flat_in, spec)
 
         def fresh(t: Any) -> bool:
             # A result sharing storage with an argument is a view / alias (or the mutated
             # argument itself): the recorded tensor already sees the storage, nothing to copy.
-            return isinstance(t, torch.Tensor) and _storage_ptr(t) not in in_ptrs
+            return isinstance(t, torch.Tensor) and storage_ptr(t) not in in_ptrs
 
         schema = getattr(func, "_schema", None)
         mutable = schema is None or schema.is_mutable

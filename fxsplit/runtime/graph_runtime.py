@@ -28,7 +28,7 @@ from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError, new_own
 from fxsplit.runtime.captured import buffer_key as captured_buffer_key
 from fxsplit.runtime.pool import MemoryPool
 from fxsplit.runtime.stats import PieceStats
-from fxsplit.runtime.storage import clone_sharing, view_over
+from fxsplit.runtime.storage import clone_sharing, storage_ptr, view_over
 
 log = logging.getLogger("fxsplit")
 
@@ -136,7 +136,7 @@ class CaptureSession:
         unseen)."""
         if tensor.is_inference():
             return None
-        ptr = tensor.untyped_storage().data_ptr()
+        ptr = storage_ptr(tensor)
         if any(ptr in pool.owners for pool in self.pools.values()):
             return None
         return weakref.ref(tensor), tensor._version, tensor.data_ptr()
@@ -400,9 +400,7 @@ class GraphRuntime:
         ``clone_outputs`` (keeping eager's aliasing between them)."""
         owners = pool.owners
         mine = [
-            j
-            for j, o in enumerate(out)
-            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() in owners
+            j for j, o in enumerate(out) if isinstance(o, torch.Tensor) and storage_ptr(o) in owners
         ]
         if not mine:
             return out
@@ -415,7 +413,7 @@ class GraphRuntime:
         ledger, step, graph_id = pool.ledger, pool.step, self.graph_id
         for j in mine:
             o = out[j]
-            order = owners[o.untyped_storage().data_ptr()]
+            order = owners[storage_ptr(o)]
             result[j] = ledger.hand_out(o, storages, order, step, graph_id)
         return tuple(result)
 
@@ -448,7 +446,7 @@ class GraphRuntime:
 
     def is_frozen_memory(self, value: torch.Tensor) -> bool:
         """Whether ``value`` lives in a parameter's or buffer's storage of this graph."""
-        return bool(self._frozen) and value.untyped_storage().data_ptr() in self._frozen
+        return bool(self._frozen) and storage_ptr(value) in self._frozen
 
     def _may_capture(self, args) -> bool:
         if torch.is_grad_enabled() and any(
@@ -483,13 +481,13 @@ class GraphRuntime:
         ptrs = tuple(args[i].data_ptr() for i in self._params)
         if self._param_ptrs is None:
             self._param_ptrs = ptrs
-            self._frozen = frozenset(args[i].untyped_storage().data_ptr() for i in self._params)
+            self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
             return
         if ptrs == self._param_ptrs:
             return
         moved = [i for i, a, b in zip(self._params, ptrs, self._param_ptrs, strict=True) if a != b]
         self._param_ptrs = ptrs
-        self._frozen = frozenset(args[i].untyped_storage().data_ptr() for i in self._params)
+        self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
         rebound = []
         for i in moved:
             # The model rebinding a buffer moves it on consecutive steps; reloading weights

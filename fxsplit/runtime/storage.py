@@ -1,7 +1,8 @@
-"""Copies that keep aliasing: tensors sharing memory stay views of one copy.
+"""Storages: their address, views over them, and copies that keep aliasing (tensors sharing
+memory stay views of one copy).
 
-Used wherever fxsplit must copy values a model may see through several views: outputs cloned
-for ``clone_outputs``, earlier outputs handed back in, and verify's snapshots.
+The copies serve wherever fxsplit must copy values a model may see through several views:
+outputs cloned for ``clone_outputs``, earlier outputs handed back in, and verify's snapshots.
 """
 
 from __future__ import annotations
@@ -10,7 +11,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["clone_sharing", "view_over"]
+__all__ = ["clone_sharing", "storage_ptr", "view_over"]
+
+
+def storage_ptr(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s storage (its views share it); None for a tensor without one
+    (sparse and other layouts)."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def view_over(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
