@@ -91,3 +91,31 @@ def test_a_cache_handed_in_as_a_plain_argument_is_held_once_across_capture_keys(
     # copied once (the first capture), never again: the same tensor with the same version
     copies = sum(p.stats.copies_by_input.get("l_kv_", 0) for p in runtime.pieces)
     assert copies == 0, copies
+
+
+def test_two_inputs_that_were_one_tensor_at_capture_are_refused_when_they_differ():
+    """Bound to one shared buffer at capture (the same caller view twice), two different tensors
+    later must not be copied into it one over the other. Dynamo guards on such aliasing; a plain
+    torch.fx graph handed to the backend does not."""
+
+    def f(a, b):
+        return (a.sin() + b.cos()) * 2
+
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    def g(a, b):
+        return (f(a, b),)
+
+    gm = torch.fx.symbolic_trace(g)
+    x = torch.randn(3, D)
+    FakeTensorProp(gm).propagate(x, x)
+    for node in gm.graph.nodes:  # the traced values, as Dynamo records them
+        node.meta["example_value"] = node.meta.get("val")
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[], input_binding="copy")
+    run = backend(gm, [x, x])
+    with torch.no_grad(), pytest.warns(UserWarning, match="one tensor at capture"):
+        for _ in range(3):
+            assert torch.equal(run(x, x)[0], f(x, x))
+        y = torch.randn(3, D)
+        assert torch.equal(run(x, y)[0], f(x, y))
+    assert _replays(backend) > 0

@@ -73,7 +73,8 @@ class _Entry:
     ``checks`` holds ``(i, static, data_ptr, bind, buffer)`` per input bound OWN, ADDRESS or
     PINNED; ``written`` holds ``(i, static, bind, buffer)`` per input the piece writes;
     ``views`` holds ``(j, i, size, stride, offset, dtype, conj, neg)`` per output that is a view
-    of OWN input ``i`` (rebuilt over the caller's tensor after each replay); ``alias_guard``
+    of OWN input ``i`` (rebuilt over the caller's tensor after each replay); ``shared`` the pairs
+    of OWN inputs bound to one shared buffer (the same caller view at capture); ``alias_guard``
     checks shared storage per call (pieces that write an input); ``order`` is the graph's
     capture order in the pool; ``owned`` the ids and data pointers of the outputs in fxsplit's
     memory.
@@ -89,6 +90,7 @@ class _Entry:
         "order",
         "outputs",
         "owned",
+        "shared",
         "statics",
         "views",
         "written",
@@ -107,6 +109,7 @@ class _Entry:
         self.alias_guard: _AliasGuard | None = None
         self.order = -1
         self.owned: tuple = ()
+        self.shared: tuple = ()  # (i, j): OWN inputs bound to one buffer (one tensor at capture)
 
 
 class CapturedPiece(torch.nn.Module):
@@ -202,6 +205,13 @@ class CapturedPiece(torch.nn.Module):
             BindingError: a persistent (strict) runner input moved.
             _Refused: the aliasing of this call's inputs cannot be kept by the captured graph.
         """
+        for i, j in entry.shared:
+            a, b = inputs[i], inputs[j]
+            if a is not b and (a.data_ptr() != b.data_ptr() or a.stride() != b.stride()):
+                raise _Refused(
+                    f"inputs {self.specs[i].name!r} and {self.specs[j].name!r} were one tensor "
+                    "at capture and share one static buffer, but this call hands two"
+                )
         for i, static, ptr, bind, buffer in entry.checks:
             value = inputs[i]
             if value is static:
@@ -473,6 +483,14 @@ class CapturedPiece(torch.nn.Module):
             if isinstance(statics[i], torch.Tensor)
         )
         entry.alias_guard = guard if guard is not None and guard.needed else None
+        first: dict[int, int] = {}
+        shared = []
+        for i, buffer in enumerate(buffers):
+            if buffer is not None and binds[i] is _OWN:
+                j = first.setdefault(id(buffer), i)
+                if j != i:
+                    shared.append((j, i))
+        entry.shared = tuple(shared)
         return entry
 
     def _analyse(self, inputs) -> None:
