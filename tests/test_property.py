@@ -1066,3 +1066,32 @@ def test_regression_v2_feedback_through_a_column_major_output():
             program, outputs=(4,), runner="v2", dynamic=False, sizes=(6, 3), feedback=True, seed=512
         )
     )
+
+
+def test_regression_refilling_an_earlier_pieces_output_invalidates_what_it_handed_out():
+    """Found by the long profile: piece_0's value stored by a forward hook (a handed-out output)
+    was overwritten on the next step, when piece_0 ran uncaptured (max_captured_keys) and
+    piece_2 copied its new value into piece_0's captured output buffer, which piece_2 reads
+    where it lies; the copy did not invalidate the hand-out first."""
+    program = (
+        ("module", 0, 0),
+        ("region", CUSTOM_REGION, (("store", "dict", 11), ("intarg", 0), ("size_save", 0))),
+        ("custom2", 0),
+        ("write_view", "T", "copy_", 0, 0),
+        ("unary", "sin", 1),
+        ("binary", "add", 2, 0),
+    )
+    run_case(
+        Case(
+            program,
+            outputs=(0,),
+            splitting_ops=("fxsplit_prop::two",),
+            sizes=(1, 3),
+            ints=(3, 0),
+            feedback=True,
+            warmup_runs=0,
+            seed=1814,
+            keep=True,
+            options={"max_captured_keys": 1, "capture_sizes": (3,)},
+        )
+    )

@@ -55,15 +55,18 @@ class _Refused(Exception):
 class _OwnBuffer:
     """fxsplit's static buffer for one view of a caller's tensor, shared by every capture key
     and piece of a graph that captured that view (a KV cache handed in as a plain argument is
-    held once); ``mark`` remembers the value last copied in (see
+    held once), or an earlier captured piece's output read where it lies (``pooled``: memory
+    of the pool, whose handed-out outputs a copy into it must invalidate first); ``mark``
+    remembers the value last copied in (see
     :meth:`~fxsplit.runtime.graph_runtime.CaptureSession.sync_mark`)."""
 
-    __slots__ = ("mark", "region", "source", "static")
+    __slots__ = ("mark", "pooled", "region", "source", "static")
 
-    def __init__(self, static, region, source):
+    def __init__(self, static, region, source, pooled: bool = False):
         self.static = static
         self.region = region  # the flat memory under an overlapping (expanded) buffer
         self.source = source  # weak reference to the caller's storage it mirrors
+        self.pooled = pooled
         self.mark = None
 
 
@@ -229,6 +232,9 @@ class CapturedPiece(torch.nn.Module):
             ):
                 continue
             region = buffer.region
+            if buffer.pooled:  # the earlier piece ran uncaptured: refill its output's memory
+                pool = self.runtime.pool
+                pool.ledger.before_copy(storage_ptr(static), pool.step)
             if region is None:
                 static.copy_(value)
             elif value.stride() == static.stride():
@@ -410,7 +416,7 @@ class CapturedPiece(torch.nn.Module):
                 bind = Bind.HOST
             elif spec.kind == binding.INTERNAL and id(value) in runtime.static_outputs:
                 bind = _OWN  # an earlier captured piece's output: fxsplit's memory already
-                buffer = _OwnBuffer(value, None, None)
+                buffer = _OwnBuffer(value, None, None, pooled=True)
             elif spec.kind == binding.RUNNER and runtime.is_frozen_memory(value):
                 bind = _PINNED  # a view of a parameter or buffer: its memory never moves
             else:

@@ -67,6 +67,7 @@ class _HandOut:
     step: int  # the step it was handed out in
     ref: StorageWeakRef
     graph_id: str
+    ptr: int  # the memory's address
 
 
 class OutputLedger:
@@ -98,7 +99,7 @@ class OutputLedger:
                 ptr, value.device, source.nbytes()
             )
             ref = StorageWeakRef(storage)
-            self._live[ref.cdata] = _HandOut(order, step, ref, graph_id)
+            self._live[ref.cdata] = _HandOut(order, step, ref, graph_id, ptr)
             if order > self._high:
                 self._high = order
         return view_over(storage, value)
@@ -129,6 +130,16 @@ class OutputLedger:
             elif handed.order > high:
                 high = handed.order
         self._high = high
+
+    def before_copy(self, ptr: int, step: int) -> None:
+        """A copy outside any replay is about to write the memory at ``ptr`` (an earlier
+        piece's output buffer, refilled after that piece ran uncaptured): invalidate the live
+        hand-outs over it."""
+        for cdata, handed in list(self._live.items()):
+            if handed.ptr == ptr:
+                del self._live[cdata]
+                if not handed.ref.expired():
+                    self._invalidate(handed, step)
 
     def invalidate_order(self, order: int, step: int) -> None:
         """Invalidate the live hand-outs of the graph of capture order ``order`` (it is being
