@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import clone_sharing
+from fxsplit.warn import warn
 
 log = logging.getLogger("fxsplit")
 
@@ -240,7 +240,7 @@ class GraphRuntime:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warn(message)
 
     def _install(self) -> list[CapturedPiece]:
         split = self.split
@@ -434,12 +434,10 @@ def size_input_index(
             if names[i] == size_input:
                 return i
     if size_input is not None and warn:
-        warnings.warn(
+        warn(
             f"fxsplit: size_input={size_input!r} names no tensor argument of this graph "
             f"(tensor arguments: {', '.join(sorted(n for n in names.values() if n)) or 'none'}); "
-            "using the first tensor argument",
-            UserWarning,
-            stacklevel=5,
+            "using the first tensor argument"
         )
     if arg_names:
         order = {name: k for k, name in enumerate(arg_names)}
