@@ -12,6 +12,7 @@ import torch
 
 import fxsplit
 from fxsplit.models import deepseek_v4
+from tests.warned import warned_at
 
 
 @pytest.fixture(autouse=True)
@@ -128,12 +129,14 @@ def test_warns_once_when_a_runner_wants_regions_but_nothing_marks_any():
         return (x @ x.t()).softmax(-1) @ x
 
     backend = fxsplit.Backend()
-    with pytest.warns(UserWarning, match="is in any region") as seen:
+    with pytest.warns(fxsplit.FxsplitWarning, match="is in any region") as seen:
         for fn in (f, lambda x: f(x) + 1):
             compiled = torch.compile(fn, backend=backend)
             compiled(torch.randn(3, 4))
             compiled(torch.randn(3, 4))  # judged when a graph runs again
-    assert len([w for w in seen if "is in any region" in str(w.message)]) == 1
+    # once, at the call that ran a compiled graph the second time
+    line = "compiled(torch.randn(3, 4))  # judged when a graph runs again"
+    assert warned_at(seen) == [("test_backend.py", line)]
 
 
 def test_regions_only_after_a_graph_break_do_not_warn():
@@ -166,9 +169,10 @@ def test_misspelt_region_marking_nodes_warns(where):
 
     options = {"module_regions": {"Linear": "atention"}} if where == "module_regions" else {}
     compiled = torch.compile(Net(), backend=fxsplit.Backend(**options))
-    with pytest.warns(UserWarning, match="'atention'.*did you mean 'attention'"):
+    with pytest.warns(fxsplit.FxsplitWarning, match="'atention'.*did you mean") as seen:
         compiled(torch.randn(3, 4))
         compiled(torch.randn(3, 4))
+    assert warned_at(seen) == [("test_backend.py", "compiled(torch.randn(3, 4))")]
 
 
 def test_misspelt_region_name_warns_once_with_close_matches():
@@ -178,10 +182,11 @@ def test_misspelt_region_name_warns_once_with_close_matches():
         return h * 2
 
     backend = fxsplit.Backend(eager_regions=["attenion"])
-    with pytest.warns(UserWarning, match="'attenion'.*did you mean 'attention'"):
+    with pytest.warns(fxsplit.FxsplitWarning, match="'attenion'.*did you mean 'attention'") as seen:
         compiled = torch.compile(f, backend=backend)
         compiled(torch.randn(3, 4))
         compiled(torch.randn(3, 4))
+    assert warned_at(seen) == [("test_backend.py", "compiled(torch.randn(3, 4))")]
     custom = fxsplit.Backend(eager_regions=["my_local_region"])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
@@ -201,7 +206,7 @@ def test_explain_leaves_nothing_in_dynamo_caches():
 
     model, x = M(), torch.randn(4)
     for _ in range(20):  # past Dynamo's recompile limit (8) if each left an entry
-        assert len(fxsplit.explain(model, x)) == 2
+        assert len(fxsplit.explain(model, x, eager_regions=[])) == 2
     graphs = []
 
     def count(gm, example_inputs):

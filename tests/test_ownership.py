@@ -18,7 +18,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit import counters
-from tests.warned import where
+from tests.warned import warned_at
 
 D = 4
 
@@ -308,7 +308,7 @@ def test_buffer_rebound_in_forward_is_copied_not_recaptured(caplog):
             x = _data(3, D, seed=step)
             assert torch.equal(cf(x), ref(x)), step
     # once, at the line that called the compiled model
-    assert where(seen) == [("test_ownership.py", "assert torch.equal(cf(x), ref(x)), step")]
+    assert warned_at(seen) == [("test_ownership.py", "assert torch.equal(cf(x), ref(x)), step")]
     assert counters.totals["captures"] > 0 and _replays() >= 6
     assert counters.totals["recaptures"] <= 1
 
@@ -667,7 +667,7 @@ def test_buffers_swapped_in_forward_keep_their_values():
             x = _data(3, D, seed=step)
             assert torch.equal(cf(x), ref(x)), step
             assert torch.equal(model.prev, ref.prev) and torch.equal(model.cur, ref.cur), step
-    assert where(seen) == [("test_ownership.py", "assert torch.equal(cf(x), ref(x)), step")]
+    assert warned_at(seen) == [("test_ownership.py", "assert torch.equal(cf(x), ref(x)), step")]
 
 
 def test_storage_swapped_under_an_unchanged_version_counter_is_copied():

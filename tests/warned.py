@@ -8,7 +8,7 @@ import os
 import fxsplit
 
 
-def where(records) -> list[tuple[str, str]]:
+def warned_at(records) -> list[tuple[str, str]]:
     """``(file name, stripped source line)`` of each fxsplit warning in ``records`` (a
     ``pytest.warns`` or ``warnings.catch_warnings(record=True)`` list), in order."""
     return [
