@@ -219,6 +219,41 @@ def test_dump_folder_has_every_item(tmp_path):
     assert out["type"] == "Tensor" and out["dtype"] == "torch.float32"
 
 
+def _dump_names(root: Path, fn, *args) -> list[str]:
+    """Dump folder names, without their counter, of one call of ``fn`` compiled with a dump."""
+    torch._dynamo.reset()
+    backend = fxsplit.Backend(dump_dir=str(root), capture="off")
+    with torch.no_grad():
+        torch.compile(fn, backend=backend)(*args)
+    return sorted(p.name.partition("_")[2] for p in root.iterdir())
+
+
+@pytest.mark.parametrize("compiled", ["module", "bound method"])
+def test_dump_folder_of_a_module_or_its_method_is_named_after_the_module(tmp_path, compiled):
+    model, inputs = tiny_factory()
+    fn = model if compiled == "module" else model.forward
+    assert _dump_names(tmp_path, fn, *inputs) == ["Tiny_v1_graph_0"]
+
+
+def test_dump_folder_of_a_function_is_named_after_the_function(tmp_path):
+    model, inputs = tiny_factory()
+
+    def step(model, x, positions):  # a module as first argument does not make it a method
+        return model(x, positions) * 2
+
+    assert _dump_names(tmp_path, step, model, *inputs) == ["step_v1_graph_0"]
+
+
+def test_dump_folder_of_a_transformers_forward_is_named_after_the_model(tmp_path):
+    from fxsplit.models import hf_architectures
+
+    if not hf_architectures.available():
+        pytest.skip("needs transformers >= 5.8.1")
+    model = hf_architectures.build("LlamaForCausalLM")  # forward behind *args decorators
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    assert _dump_names(tmp_path, model.forward, ids) == ["LlamaForCausalLM_v1_graph_0"]
+
+
 def test_folders_never_overwrite(tmp_path):
     _, [(split, code, _)] = _compile()
     first = dump.write_dump(tmp_path, split, code)
