@@ -24,6 +24,7 @@ pytest.importorskip("rich")
 import fxsplit  # noqa: E402
 from fxsplit.tools import cli, dump, report  # noqa: E402
 from fxsplit.tools.diff import diff_splits  # noqa: E402
+from tests.columns import Recording, cut_words  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -459,6 +460,28 @@ def test_cli_diff_tiny_summary(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "3 nodes moved" in out and "moved nodes by region" in out
     assert "unsqueeze" not in out  # no node table
+
+
+@pytest.mark.parametrize("command", ["dump", "diff"])
+def test_cli_piped_fits_100_columns_and_cuts_no_word(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.chdir(tmp_path)  # a short --out path
+    consoles = []
+    chosen = cli._console
+
+    def recording():
+        console = Recording(chosen().width)  # the width the CLI chose (stdout is a pipe here)
+        consoles.append(console)
+        return console
+
+    monkeypatch.setattr(cli, "_console", recording)
+    argv = [command, "fxsplit.models.deepseek_v4:example", "--runner", "v1"]
+    argv += ["--out", "d"] if command == "dump" else ["--runner", "v2"]
+    assert cli.main(argv) == 0
+    (console,) = consoles
+    assert console.width == 100
+    assert max(len(line) for line in console.text.splitlines()) <= 100
+    assert not cut_words(console) and "…" not in console.text
 
 
 @pytest.mark.parametrize(
