@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fxsplit.warn import FxsplitRuntimeWarning, warn
+from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
 log = logging.getLogger("fxsplit")
 
@@ -95,7 +95,7 @@ class PieceCache:
         try:
             return CompiledArtifact.load(path=str(path), format="binary")
         except Exception as error:  # any failure to load is a miss, never a crash
-            warn(
+            warn_at_caller(
                 f"fxsplit: cached piece {path} could not be loaded ({type(error).__name__}: "
                 f"{error}); compiling it again",
                 FxsplitRuntimeWarning,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 
 from fxsplit import runners
-from fxsplit.warn import warn
+from fxsplit.warn import warn_at_caller
 
 
 class ConfigChecks:
@@ -63,7 +63,7 @@ class ConfigChecks:
         """
         for key, message in self._due():
             self._warned.add(key)
-            warn(message)
+            warn_at_caller(message)
 
     def _due(self) -> list[tuple[str, str]]:
         due = [

@@ -4,7 +4,7 @@ fxsplit warns from deep inside Dynamo (at compile time) or from inside a compile
 where ``warnings.warn``'s fixed ``stacklevel`` lands on a frame of torch's or fxsplit's own. Here
 the level is computed from the stack at the time of the warning:
 
-* :func:`warn` points at the line that called ``torch.compile``'d code (the caller of the
+* :func:`warn_at_caller` points at the line that called ``torch.compile``'d code (the caller of the
   outermost ``torch/_dynamo/eval_frame.py`` frame), and outside compiled code at the nearest line
   outside fxsplit, torch and the standard library (the call of ``fxsplit.explain``);
 * :func:`warn_in_model_code` points at the nearest line outside fxsplit, torch and the standard
@@ -23,7 +23,7 @@ import sysconfig
 import types
 import warnings
 
-__all__ = ["FxsplitRuntimeWarning", "FxsplitWarning", "warn", "warn_in_model_code"]
+__all__ = ["FxsplitRuntimeWarning", "FxsplitWarning", "warn_at_caller", "warn_in_model_code"]
 
 
 class FxsplitWarning(UserWarning):
@@ -98,7 +98,7 @@ def _stacklevel(start: types.FrameType, target: types.FrameType | None) -> int:
     return level if frame is target and target is not None else 1
 
 
-def warn(message: str, category: type[Warning] = FxsplitWarning) -> None:
+def warn_at_caller(message: str, category: type[Warning] = FxsplitWarning) -> None:
     """Warn with ``message`` at the line that called ``torch.compile``'d code, or outside compiled
     code at the nearest line outside fxsplit, torch and the standard library (where there is
     none: at the caller of this function)."""

@@ -24,7 +24,7 @@ from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import clone_sharing
-from fxsplit.warn import warn
+from fxsplit.warn import warn_at_caller
 
 log = logging.getLogger("fxsplit")
 
@@ -240,7 +240,7 @@ class GraphRuntime:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warn(message)
+            warn_at_caller(message)
 
     def _install(self) -> list[CapturedPiece]:
         split = self.split
@@ -434,7 +434,7 @@ def size_input_index(
             if names[i] == size_input:
                 return i
     if size_input is not None and warn:
-        warn(
+        warn_at_caller(
             f"fxsplit: size_input={size_input!r} names no tensor argument of this graph "
             f"(tensor arguments: {', '.join(sorted(n for n in names.values() if n)) or 'none'}); "
             "using the first tensor argument"
