@@ -22,16 +22,15 @@ print(torch.__version__)
 sys.exit(0 if (2, 11) <= (major, minor) < (2, 15) else 1)
 PY
 ); then
-    echo "setup: 1/2 torch $found is installed already (fxsplit supports 2.11 to 2.14): kept"
+    echo "setup: 1/2 torch $found is installed already (2.11 to 2.14 work): kept"
 else
-    echo "setup: 1/2 torch 2.13.0, CPU build${found:+, replacing torch $found}," \
-        "from ${FXSPLIT_TORCH_INDEX:-the default index} (the largest download)..."
+    echo "setup: 1/2 torch 2.13.0, CPU build${found:+, replacing $found}" \
+        "${FXSPLIT_TORCH_INDEX:+from $FXSPLIT_TORCH_INDEX }(the largest download)..."
     python3 -m pip install -q "torch==2.13.0" ${FXSPLIT_TORCH_INDEX:+--index-url "$FXSPLIT_TORCH_INDEX"}
 fi
-echo "setup: 2/2 fxsplit from $(pwd) (editable) with rich, tqdm, graphviz and the test tools" \
-    "pytest, expecttest, hypothesis, transformers, scipy, ruff..."
+echo "setup: 2/2 fxsplit (editable, this folder), rich, tqdm, graphviz, test tools..."
 # compat mode puts the repository root on sys.path (a .pth file): `import fxsplit` then finds
 # the package even from a folder holding a clone named fxsplit (a finder-based editable install
 # loses to that folder, which imports as an empty namespace package).
 python3 -m pip install -q -e ".[test]" --config-settings editable_mode=compat
-echo "setup: done; the fxsplit command is $(command -v fxsplit || echo "$where/bin/fxsplit")"
+echo "setup: done; the fxsplit command: $(command -v fxsplit || echo "$where/bin/fxsplit")"
