@@ -124,6 +124,23 @@ def test_cli_version_and_subcommand_descriptions(capsys):
         assert rest.split("\n")[0].strip() and not rest.startswith("options"), command
 
 
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["demo", "--help"], ["cache", "-h"]])
+def test_cli_answers_version_and_help_without_importing_torch(argv):
+    """Their start time is measured by bench/cli_start.py; this pins why it is short."""
+    code = textwrap.dedent(f"""
+        import sys
+        from fxsplit.tools import cli
+        try:
+            cli.main({argv!r})
+        except SystemExit:
+            pass
+        heavy = sorted(m for m in ("torch", "transformers", "rich") if m in sys.modules)
+        print("imported:", heavy)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == "imported: []", done.stdout
+
+
 def test_warns_once_when_a_runner_wants_regions_but_nothing_marks_any():
     def f(x):
         return (x @ x.t()).softmax(-1) @ x
