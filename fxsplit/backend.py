@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import gc
+import inspect
 import logging
 import os
 import sys
@@ -99,6 +100,8 @@ class Backend:
             )
         config = Config.from_options(options, base=self.config) if options else self.config
         mode, device = _capture_mode(config.capture, example_inputs)  # fail before any work
+        if mode == "off" and config.binding == "strict":
+            mode = "check"  # nothing captured; persistent inputs checked as a capture would
         with self._lock:
             graph_id = f"graph_{self._count}"
             self._count += 1
@@ -168,8 +171,6 @@ class Backend:
         if config.check_ranks:  # before anything can capture
             check_ranks(graph_id, plan, result.graph_module, result.compiled_pieces)
         runtime = None
-        if mode == "off" and config.binding == "strict":
-            mode = "check"  # nothing captured; persistent inputs checked as a capture would
         if mode != "off":
             runtime = GraphRuntime(
                 result,
@@ -280,11 +281,32 @@ def _frame() -> Frame | None:
     count = code.co_argcount + code.co_kwonlyargcount
     # Dynamo names the functions that resume a frame after a graph break this way.
     resumed = code.co_name.startswith("torch_dynamo_resume_in_")
+    if not isinstance(receiver, torch.nn.Module):
+        receiver = _method_owner(code, tx.f_locals)
     root = type(receiver) if isinstance(receiver, torch.nn.Module) else None
     name = root.__name__ if root is not None else code.co_name
     if resumed:  # torch_dynamo_resume_in_<function>_at_<line>
         name = root.__name__ if root is not None else name.split("_in_", 1)[1].rsplit("_at_")[0]
     return Frame(tuple(code.co_varnames[:count]), resumed, root, name, _called_by_eager_code())
+
+
+def _method_owner(code, f_locals) -> torch.nn.Module | None:
+    """The module whose method the frame runs where its receiver is not called ``self``: the
+    frame's first argument, or the first of its ``*args`` (transformers wraps ``forward`` in
+    decorators taking ``*args``), when that module's class defines a function with this code."""
+    if code.co_argcount:
+        first = f_locals.get(code.co_varnames[0])
+    elif code.co_flags & inspect.CO_VARARGS:
+        packed = f_locals.get(code.co_varnames[code.co_kwonlyargcount])
+        first = packed[0] if isinstance(packed, tuple) and packed else None
+    else:
+        return None
+    if not isinstance(first, torch.nn.Module):
+        return None
+    for cls in type(first).__mro__:
+        if any(getattr(f, "__code__", None) is code for f in vars(cls).values()):
+            return first
+    return None
 
 
 def _traced_size(result: Split, example_inputs, frame: Frame | None, config: Config):

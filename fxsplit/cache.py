@@ -17,10 +17,11 @@ import logging
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
 import torch
+
+from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
 log = logging.getLogger("fxsplit")
 
@@ -94,11 +95,10 @@ class PieceCache:
         try:
             return CompiledArtifact.load(path=str(path), format="binary")
         except Exception as error:  # any failure to load is a miss, never a crash
-            warnings.warn(
+            warn_at_caller(
                 f"fxsplit: cached piece {path} could not be loaded ({type(error).__name__}: "
                 f"{error}); compiling it again",
-                RuntimeWarning,
-                stacklevel=2,
+                FxsplitRuntimeWarning,
             )
             path.unlink(missing_ok=True)
             return None

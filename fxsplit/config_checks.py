@@ -10,9 +10,9 @@ call: the first has compiled all its graphs) or at the end of :func:`fxsplit.exp
 from __future__ import annotations
 
 import difflib
-import warnings
 
 from fxsplit import runners
+from fxsplit.warn import warn_at_caller
 
 
 class ConfigChecks:
@@ -63,7 +63,7 @@ class ConfigChecks:
         """
         for key, message in self._due():
             self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warn_at_caller(message)
 
     def _due(self) -> list[tuple[str, str]]:
         due = [

@@ -11,11 +11,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import types
-import warnings
 from collections.abc import Iterator
 
 import torch
 from torch.fx.traceback import annotate
+
+from fxsplit.warn import FxsplitRuntimeWarning, warn_in_model_code
 
 ATTN_PREP = "attn_prep"
 SPARSE_INDEXER = "sparse_indexer"
@@ -51,10 +52,9 @@ def _warn_eager_region(name: str) -> None:
             "a graph break inside the region made Dynamo skip the whole frame (torch logs "
             '"WON\'T CONVERT"), so fxsplit never saw it. Move the graph break out of the region.'
         )
-    warnings.warn(
+    warn_in_model_code(
         f"fxsplit.region({name!r}) ran eagerly inside torch.compile: {cause}",
-        RuntimeWarning,
-        stacklevel=4,
+        FxsplitRuntimeWarning,
     )
 
 

@@ -12,6 +12,7 @@ import torch
 
 import fxsplit
 from fxsplit.models import deepseek_v4
+from tests.warned import warned_at
 
 
 @pytest.fixture(autouse=True)
@@ -123,17 +124,36 @@ def test_cli_version_and_subcommand_descriptions(capsys):
         assert rest.split("\n")[0].strip() and not rest.startswith("options"), command
 
 
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["demo", "--help"], ["cache", "-h"]])
+def test_cli_answers_version_and_help_without_importing_torch(argv):
+    """Their start time is measured by bench/cli_start.py; this pins why it is short."""
+    code = textwrap.dedent(f"""
+        import sys
+        from fxsplit.tools import cli
+        try:
+            cli.main({argv!r})
+        except SystemExit:
+            pass
+        heavy = sorted(m for m in ("torch", "transformers", "rich") if m in sys.modules)
+        print("imported:", heavy)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines()[-1] == "imported: []", done.stdout
+
+
 def test_warns_once_when_a_runner_wants_regions_but_nothing_marks_any():
     def f(x):
         return (x @ x.t()).softmax(-1) @ x
 
     backend = fxsplit.Backend()
-    with pytest.warns(UserWarning, match="is in any region") as seen:
+    with pytest.warns(fxsplit.FxsplitWarning, match="is in any region") as seen:
         for fn in (f, lambda x: f(x) + 1):
             compiled = torch.compile(fn, backend=backend)
             compiled(torch.randn(3, 4))
             compiled(torch.randn(3, 4))  # judged when a graph runs again
-    assert len([w for w in seen if "is in any region" in str(w.message)]) == 1
+    # once, at the call that ran a compiled graph the second time
+    line = "compiled(torch.randn(3, 4))  # judged when a graph runs again"
+    assert warned_at(seen) == [("test_backend.py", line)]
 
 
 def test_regions_only_after_a_graph_break_do_not_warn():
@@ -166,9 +186,10 @@ def test_misspelt_region_marking_nodes_warns(where):
 
     options = {"module_regions": {"Linear": "atention"}} if where == "module_regions" else {}
     compiled = torch.compile(Net(), backend=fxsplit.Backend(**options))
-    with pytest.warns(UserWarning, match="'atention'.*did you mean 'attention'"):
+    with pytest.warns(fxsplit.FxsplitWarning, match="'atention'.*did you mean") as seen:
         compiled(torch.randn(3, 4))
         compiled(torch.randn(3, 4))
+    assert warned_at(seen) == [("test_backend.py", "compiled(torch.randn(3, 4))")]
 
 
 def test_misspelt_region_name_warns_once_with_close_matches():
@@ -178,10 +199,11 @@ def test_misspelt_region_name_warns_once_with_close_matches():
         return h * 2
 
     backend = fxsplit.Backend(eager_regions=["attenion"])
-    with pytest.warns(UserWarning, match="'attenion'.*did you mean 'attention'"):
+    with pytest.warns(fxsplit.FxsplitWarning, match="'attenion'.*did you mean 'attention'") as seen:
         compiled = torch.compile(f, backend=backend)
         compiled(torch.randn(3, 4))
         compiled(torch.randn(3, 4))
+    assert warned_at(seen) == [("test_backend.py", "compiled(torch.randn(3, 4))")]
     custom = fxsplit.Backend(eager_regions=["my_local_region"])
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
@@ -201,7 +223,7 @@ def test_explain_leaves_nothing_in_dynamo_caches():
 
     model, x = M(), torch.randn(4)
     for _ in range(20):  # past Dynamo's recompile limit (8) if each left an entry
-        assert len(fxsplit.explain(model, x)) == 2
+        assert len(fxsplit.explain(model, x, eager_regions=[])) == 2
     graphs = []
 
     def count(gm, example_inputs):
@@ -217,7 +239,7 @@ def test_capture_up_front_runs_without_tqdm(monkeypatch):
     progress bar there and still captures every size, each then replayed."""
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes ``import tqdm`` raise ImportError
     fxsplit.counters.reset()
-    backend = fxsplit.Backend(capture="emulate")
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
     compiled = torch.compile(lambda x: x.sin() * 2 + 1, backend=backend)
     inputs = {size: (torch.randn(size, 3),) for size in (2, 4, 8)}
     backend.capture(compiled, inputs)

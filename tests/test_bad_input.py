@@ -18,6 +18,7 @@ from torch import nn
 import fxsplit
 from fxsplit import counters
 from fxsplit.config import Config
+from tests.warned import warned_at
 
 MID = "bad_mid"
 VALID_KEYS = [
@@ -235,18 +236,17 @@ class Model(nn.Module):
 )
 def test_pattern_matching_nothing_warns_naming_it_once(options):
     (pattern,) = next(iter(options.values()))
-    model = torch.compile(Model(), backend=fxsplit.Backend(**options), dynamic=False)
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
+    backend = fxsplit.Backend(**options, eager_regions=[])  # Model has no region
+    model = torch.compile(Model(), backend=backend, dynamic=False)
+    with pytest.warns(fxsplit.FxsplitWarning, match="matched no node") as caught, torch.no_grad():
         model(torch.ones(2, 4))
-        assert not [w for w in caught if "matched no node" in str(w.message)]  # not judged yet
+        assert not warned_at(caught)  # not judged yet
         model(torch.ones(3, 4))  # a recompile
         model(torch.ones(2, 4))  # graph_0 runs again: every graph of the first call is known
         model(torch.ones(3, 4))
-    hits = [w for w in caught if "matched no node" in str(w.message)]
-    assert len(hits) == 1, [str(w.message) for w in caught]
-    assert issubclass(hits[0].category, UserWarning)
-    assert repr(pattern) in str(hits[0].message)
+    line = "model(torch.ones(2, 4))  # graph_0 runs again: every graph of the first call is known"
+    assert warned_at(caught) == [("test_bad_input.py", line)]
+    assert repr(pattern) in str(caught[0].message)
 
 
 def test_pattern_that_matches_does_not_warn():
@@ -277,10 +277,12 @@ def test_pattern_matching_only_after_a_graph_break_does_not_warn(capture):
 
 
 def test_explain_judges_patterns_after_its_one_call():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fxsplit.explain(Model(), torch.ones(2, 4), splitting_ops=["mylib::not_in_this_graph"])
-    assert len([w for w in caught if "matched no node" in str(w.message)]) == 1
+    options = {"splitting_ops": ["mylib::not_in_this_graph"], "eager_regions": []}
+    with pytest.warns(fxsplit.FxsplitWarning, match="matched no node") as caught:
+        fxsplit.explain(Model(), torch.ones(2, 4), **options)
+    # at the call of explain
+    line = "fxsplit.explain(Model(), torch.ones(2, 4), **options)"
+    assert warned_at(caught) == [("test_bad_input.py", line)]
 
 
 # ---------------------------------------------------------------------------------------------

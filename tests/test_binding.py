@@ -4,6 +4,8 @@ piece, and strict binding checked the same way with capture on and off."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -119,3 +121,148 @@ def test_two_inputs_that_were_one_tensor_at_capture_are_refused_when_they_differ
         y = torch.randn(3, D)
         assert torch.equal(run(x, y)[0], f(x, y))
     assert _replays(backend) > 0
+
+
+class _Rebinding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("t", torch.zeros(4))
+
+    def forward(self, x):
+        h = x * 2 + self.t
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        self.t = self.t + 1
+        return h * 3
+
+
+@pytest.mark.parametrize("warmup_runs", [0, 1])
+def test_a_buffer_rebound_to_an_output_every_step_is_copied(warmup_runs):
+    """``self.t = self.t + 1``: from its first move to memory fxsplit produced, the buffer is
+    copied like a runner input (before, with no warm-up, replays read a stale copy of it)."""
+    compiled_net, eager = _Rebinding(), _Rebinding()
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs)
+    model = torch.compile(compiled_net, backend=backend, dynamic=True)
+    with torch.no_grad(), pytest.warns(fxsplit.FxsplitWarning, match="rebinds"):
+        for step in range(6):
+            x = torch.full((2, 4), float(step))
+            assert torch.equal(model(x), eager(x)), step
+            assert torch.equal(compiled_net.t, eager.t), step
+    assert _replays(backend) > 0
+
+
+class _Feedback(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.a(x)
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        return h.tanh() + 0.5
+
+
+def test_v2_output_fed_back_into_a_graph_captured_on_the_callers_buffer_is_never_refused():
+    """Captured while bound by address to the runner's buffer, the graph then gets its own
+    output back: fxsplit's memory, never a BindingError (that call runs uncaptured)."""
+    net = _Feedback()
+    model = torch.compile(net, backend=fxsplit.Backend(capture="emulate", runner="v2"))
+    buffer = torch.randn(3, 4)
+    with torch.no_grad(), pytest.warns(fxsplit.FxsplitWarning, match="fxsplit produced"):
+        model(buffer)
+        model(buffer)
+        out = model(buffer)
+        assert torch.equal(model(out), net(net(buffer)))
+
+
+class _HostKeyedRunner(nn.Module):
+    def forward(self, x, n, y):
+        h = (x * n).sin()
+        with fxsplit.region(fxsplit.ATTENTION):
+            g = h.cos()
+        return g + h + y
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_strict_binding_raises_at_the_call_handing_another_tensor_even_when_it_recaptures(
+    capture,
+):
+    """A call that recaptures a piece (replay order) still checks its persistent inputs first,
+    so the runner bug is named at the call that made it, as with capture off."""
+    model = torch.compile(
+        _HostKeyedRunner(), backend=fxsplit.Backend(capture=capture, runner="v2"), dynamic=True
+    )
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+    with torch.no_grad(), pytest.raises(fxsplit.BindingError):
+        for step, n in enumerate([1, 1, 1, 2, 2, 2]):
+            model(x, n, y if step != 4 else y.clone())
+    assert step == 4
+
+
+class _ReadsItsCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.randn(2, 3, 4))
+
+    def forward(self, x, c):
+        h = x * 2 + c.sum(0) + self.cache.mean()
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        return h + 1
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_strict_binding_checks_views_of_a_buffer_alike_with_capture_on_and_off(capture):
+    net = _ReadsItsCache()
+    model = torch.compile(net, backend=fxsplit.Backend(capture=capture, runner="v2"))
+    x = torch.randn(3, 4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)  # the refused other view
+        for step in range(5):
+            assert torch.equal(model(x, net.cache[step % 2]), net(x, net.cache[step % 2]))
+
+
+class _ReturnsItsInput(nn.Module):
+    def forward(self, x):
+        h = x * 2
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        return h + 1, x[:1]
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_strict_binding_holds_when_the_graph_returns_a_view_of_the_runner_input(capture):
+    """An output that is a view of the caller's tensor does not make that tensor fxsplit's."""
+    model = torch.compile(
+        _ReturnsItsInput(), backend=fxsplit.Backend(capture=capture, runner="v2"), dynamic=True
+    )
+    buffer = torch.randn(3, 4)
+    with torch.no_grad(), pytest.raises(fxsplit.BindingError):
+        for step in range(6):
+            model(buffer if step < 3 else torch.randn(3, 4))
+    assert step == 3
+
+
+class _ChangesItsInputsLayout(nn.Module):
+    def forward(self, x, y):
+        h = x * 2
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        h.t_()  # the piece reading y changes its input's layout: it is never captured
+        return h + y
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_strict_binding_never_checks_a_piece_that_is_never_captured(capture):
+    model = torch.compile(
+        _ChangesItsInputsLayout(), backend=fxsplit.Backend(capture=capture, runner="v2")
+    )
+    x = torch.randn(4, 4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for _ in range(5):
+            y = torch.randn(4, 4)  # a fresh tensor every step
+            assert torch.equal(model(x, y), _ChangesItsInputsLayout()(x, y))

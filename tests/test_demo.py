@@ -10,23 +10,54 @@ import pytest
 pytest.importorskip("rich")
 
 from rich.console import Console
+from rich.table import Table
 
 import fxsplit
 from fxsplit.models import deepseek_v4
 from fxsplit.tools import demo
 from fxsplit.tools.dump import graph_title, plan_table
+from tests.columns import Recording, cut_words
 
 
-def test_plan_tables_fit_80_columns_without_cutting_the_regions():
+def test_cut_words_finds_a_word_folded_across_lines():
+    table = Table()
+    table.add_column("regions", overflow="fold")
+    table.add_row("sparse_indexer, attention")
+    console = Recording(14)
+    console.print(table)
+    cut = cut_words(console)
+    assert cut and "".join(cut) in "sparse_indexer,", console.text
+
+
+def test_plan_tables_fit_80_columns_without_cutting_a_word():
     plans = fxsplit.explain(deepseek_v4.build(), *deepseek_v4.example()[1], runner="v1")
-    out = io.StringIO()
-    console = Console(file=out, width=80)
+    console = Recording(80)
     for plan in plans:
         console.print(plan_table(plan, f"DeepSeek-V4 {graph_title(plan)}"))
-    text = out.getvalue()
+    assert max(len(line) for line in console.text.splitlines()) <= 80
+    assert not cut_words(console) and "…" not in console.text
+    assert "sparse_indexer" in console.text and "region:sparse_indexer" in console.text
+
+
+def test_demo_at_80_columns_labels_every_plan_and_cuts_no_word(monkeypatch):
+    """The whole demo (fewer decode steps and prefill lengths) on an 80-column terminal."""
+    monkeypatch.setattr(demo, "STEPS", (4, 4, 3, 4))
+    monkeypatch.setattr(demo, "PREFILL_LENGTHS", (5, 8))
+    console = Recording(80)
+    assert demo.run(console=console) == 0
+    text = console.text
     assert max(len(line) for line in text.splitlines()) <= 80
-    assert "…" not in text  # folded, never truncated
-    assert "sparse_indexer" in text.replace("\n", "").replace(" ", "").replace("│", "")
+    assert not cut_words(console)
+    for word, meaning in demo.LEGEND:  # one line per counter
+        assert f"  {word:<13}{meaning}\n" in text
+    # which graph, which step or length, which runner is the default
+    assert "graph_0 (step 0), runner v1: 5 pieces (3 captured, 2 eager)" in text
+    assert "DeepSeek-V4 decode, runner v2 (default); metadata: persistent buffers" in text
+    assert "graph_0 (seq_len 5), runner v1: 7 pieces (4 captured, 3 eager)" in text
+    assert "graph_0 (seq_len 8), runner v1: 9 pieces (5 captured, 4 eager)" in text
+    assert "transformers DeepseekV4ForCausalLM prefill, runner v2 (default)" in text
+    assert "input copies of all steps, by value: input_ids 1, attn 1, attn_1 1" in text
+    assert "other copies: copies of input_ids, attn, attn_1" in text
 
 
 def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, capsys):
@@ -70,20 +101,43 @@ def test_demo_model_not_shipped_names_the_stand_in(capsys):
     assert "use LongcatFlashForCausalLM" in capsys.readouterr().err
 
 
-def test_demo_model_runs_both_runners_default_first_and_fits_80_columns(monkeypatch, capsys):
-    from fxsplit.tools import coverage
-
+def test_demo_model_runs_both_runners_default_first_and_cuts_no_word(monkeypatch):
     plans = fxsplit.explain(deepseek_v4.build(), *deepseek_v4.example()[1], runner="v2")
+    counts = {"captures": 0, "replays": 3, "uncaptured_runs": 0, "input_copies": 2}
     ran = []
 
-    def check(architecture, runner, capture, device, compile_pieces):
-        ran.append((architecture, runner, capture))
-        return coverage.Result(architecture, runner, tuple(plans), (0.0, 0.0, 0.0), 1.0)
+    def model_run(architecture, runner, compile_pieces):
+        ran.append((architecture, runner))
+        rows = [(label, 0.0, counts) for label in ("prefill", "decode 1", "decode 2")]
+        return demo._ModelRun(plans, {"graph_0": "prefill"}, rows)
 
-    monkeypatch.setattr(demo.coverage, "check", check)
-    monkeypatch.setenv("COLUMNS", "80")
-    assert demo.run("Qwen2MoeForCausalLM") == 0
-    assert [r for _, r, _ in ran] == ["v2", "v1"]  # its default runner first
-    out = capsys.readouterr().out
-    assert max(len(line) for line in out.splitlines()) <= 80
-    assert "decode 2" in out and "all comparisons passed" in out
+    monkeypatch.setattr(demo, "_model_run", model_run)
+    console = Recording(80)
+    assert demo.run("Qwen2MoeForCausalLM", console=console) == 0
+    assert [r for _, r in ran] == ["v2", "v1"]  # its default runner first
+    text = console.text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert not cut_words(console)
+    assert "Qwen2MoeForCausalLM, runner v2 (default), capture emulate" in text
+    assert "graph_0 (prefill), runner v2: 5 pieces (3 captured, 2 eager)" in text
+    assert "runner v1: prefill 5 tokens, then 1 per decode step" in text
+    assert "decode 2" in text and "all comparisons passed" in text
+
+
+def test_tp_table_at_80_columns_cuts_no_word():
+    from fxsplit.tools import tp_demo
+
+    plans = fxsplit.explain(deepseek_v4.build(), *deepseek_v4.example()[1], runner="v1")
+    rows = [
+        {"runner": r, "step": i, "batch": 4, "diff": 2.4e-7, "exact": True, "captures": 3,
+         "replays": 0 if i == 0 else 3}
+        for r in tp_demo.RUNNERS
+        for i in range(2)
+    ]  # fmt: skip
+    results = [{"rows": rows, "split_plans": {"v1": plans}}] * 4
+    console = Recording(80)
+    console.print(tp_demo.render(results, 4))
+    text = console.text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert not cut_words(console) and "…" not in text
+    assert "2.4e-07" in text and "(default)" in text  # v2, DeepSeek-V4's default runner

@@ -24,6 +24,7 @@ pytest.importorskip("rich")
 import fxsplit  # noqa: E402
 from fxsplit.tools import cli, dump, report  # noqa: E402
 from fxsplit.tools.diff import diff_splits  # noqa: E402
+from tests.columns import Recording, cut_words  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -217,6 +218,41 @@ def test_dump_folder_has_every_item(tmp_path):
     assert kinds == ["captured", "eager", "captured", "eager", "captured"]
     out = data["pieces"][0]["outputs"][0]
     assert out["type"] == "Tensor" and out["dtype"] == "torch.float32"
+
+
+def _dump_names(root: Path, fn, *args) -> list[str]:
+    """Dump folder names, without their counter, of one call of ``fn`` compiled with a dump."""
+    torch._dynamo.reset()
+    backend = fxsplit.Backend(dump_dir=str(root), capture="off")
+    with torch.no_grad():
+        torch.compile(fn, backend=backend)(*args)
+    return sorted(p.name.partition("_")[2] for p in root.iterdir())
+
+
+@pytest.mark.parametrize("compiled", ["module", "bound method"])
+def test_dump_folder_of_a_module_or_its_method_is_named_after_the_module(tmp_path, compiled):
+    model, inputs = tiny_factory()
+    fn = model if compiled == "module" else model.forward
+    assert _dump_names(tmp_path, fn, *inputs) == ["Tiny_v1_graph_0"]
+
+
+def test_dump_folder_of_a_function_is_named_after_the_function(tmp_path):
+    model, inputs = tiny_factory()
+
+    def step(model, x, positions):  # a module as first argument does not make it a method
+        return model(x, positions) * 2
+
+    assert _dump_names(tmp_path, step, model, *inputs) == ["step_v1_graph_0"]
+
+
+def test_dump_folder_of_a_transformers_forward_is_named_after_the_model(tmp_path):
+    from fxsplit.models import hf_architectures
+
+    if not hf_architectures.available():
+        pytest.skip("needs transformers >= 5.8.1")
+    model = hf_architectures.build("LlamaForCausalLM")  # forward behind *args decorators
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    assert _dump_names(tmp_path, model.forward, ids) == ["LlamaForCausalLM_v1_graph_0"]
 
 
 def test_folders_never_overwrite(tmp_path):
@@ -424,6 +460,28 @@ def test_cli_diff_tiny_summary(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "3 nodes moved" in out and "moved nodes by region" in out
     assert "unsqueeze" not in out  # no node table
+
+
+@pytest.mark.parametrize("command", ["dump", "diff"])
+def test_cli_piped_fits_100_columns_and_cuts_no_word(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.chdir(tmp_path)  # a short --out path
+    consoles = []
+    chosen = cli._console
+
+    def recording():
+        console = Recording(chosen().width)  # the width the CLI chose (stdout is a pipe here)
+        consoles.append(console)
+        return console
+
+    monkeypatch.setattr(cli, "_console", recording)
+    argv = [command, "fxsplit.models.deepseek_v4:example", "--runner", "v1"]
+    argv += ["--out", "d"] if command == "dump" else ["--runner", "v2"]
+    assert cli.main(argv) == 0
+    (console,) = consoles
+    assert console.width == 100
+    assert max(len(line) for line in console.text.splitlines()) <= 100
+    assert not cut_words(console) and "…" not in console.text
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit import counters
+from tests.warned import warned_at
 
 MID = "field_mid"
 
@@ -202,7 +203,7 @@ def indexer(scores, seq_len: int):
 def test_python_branch_on_per_step_int_never_replays_a_stale_branch(dynamic):
     """The int is guarded by Dynamo (static) or part of the capture key (SymInt): the branch
     flips between steps and every step is right."""
-    model, backend = _compile(indexer, dynamic=dynamic)
+    model, backend = _compile(indexer, dynamic=dynamic, eager_regions=[])
     lens = [3, 3, 3, 6, 6, 6, 2, 4, 5, 3, 6, 7, 7, 2, 3]
     with torch.no_grad():
         for step, seq_len in enumerate(lens):
@@ -240,7 +241,7 @@ def test_branch_on_a_tensor_value_graph_breaks_and_stays_correct():
             h = h.topk(2, dim=-1).values.sum(-1, keepdim=True) + h
         return h.cos()
 
-    model, backend = _compile(f, fullgraph=False)
+    model, backend = _compile(f, fullgraph=False, eager_regions=[])
     with torch.no_grad():
         for step in range(10):
             seq_lens = torch.tensor([2, 3 + 2 * (step % 3)])
@@ -271,7 +272,7 @@ def test_bad_capture_sizes_raise_naming_them(sizes, error, match):
 
 
 def test_size_outside_capture_sizes_is_logged_and_runs_uncaptured(caplog):
-    model, _ = _compile(lambda x: x.sin() * 2, dynamic=True, capture_sizes=[2, 8])
+    model, _ = _compile(lambda x: x.sin() * 2, dynamic=True, capture_sizes=[2, 8], eager_regions=[])
     with caplog.at_level(logging.INFO, logger="fxsplit"), torch.no_grad():
         for step in range(4):
             x = _data((4, 3), step)
@@ -281,26 +282,26 @@ def test_size_outside_capture_sizes_is_logged_and_runs_uncaptured(caplog):
 
 
 def test_capture_sizes_the_graph_can_never_reach_warn_naming_them():
-    model, _ = _compile(lambda x: x.sin() * 2, dynamic=False, capture_sizes=[8, 2])
-    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-        warnings.simplefilter("always")
+    model, _ = _compile(
+        lambda x: x.sin() * 2, dynamic=False, capture_sizes=[8, 2], eager_regions=[]
+    )
+    with pytest.warns(fxsplit.FxsplitWarning, match="capture_sizes") as caught, torch.no_grad():
         for step in range(4):
             model(_data((4, 3), step))
-    hits = [w for w in caught if "capture_sizes" in str(w.message)]
-    assert len(hits) == 1, [str(w.message) for w in caught]  # once per graph, not per call
-    assert issubclass(hits[0].category, UserWarning)
-    message = str(hits[0].message)
+    # once per graph, not per call, at the call that compiled it
+    assert warned_at(caught) == [("test_field_cases.py", "model(_data((4, 3), step))")]
+    message = str(caught[0].message)
     assert "fixed at 4" in message and "capture_sizes=[2, 8]" in message
     assert counters.snapshot()["captures"] == 0
 
 
 def test_dynamic_graph_with_reachable_capture_sizes_does_not_warn():
-    model, _ = _compile(lambda x: x.sin() * 2, dynamic=True, capture_sizes=[2, 8])
+    model, _ = _compile(lambda x: x.sin() * 2, dynamic=True, capture_sizes=[2, 8], eager_regions=[])
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
         for step in range(3):
             model(_data((8, 3), step))
-    assert not [w for w in caught if "capture_sizes" in str(w.message)]
+    assert not warned_at(caught)
     assert counters.snapshot()["captures"] == 1
 
 

@@ -66,7 +66,7 @@ def test_sdpa_kernel_keeps_what_it_governs_eager_in_one_piece():
             o = torch.nn.functional.scaled_dot_product_attention(h, h, h) * 3
         return o + 1
 
-    backend = _backend()
+    backend = fxsplit.Backend(capture="emulate")  # the sdpa preset: attention
     model = torch.compile(f, backend=backend)
     with torch.no_grad():
         for step in range(4):

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from pathlib import Path
 
 import pytest
 
+import fxsplit
 from fxsplit.models import hf_architectures
 from fxsplit.runners import V2_ARCHITECTURES, default_runner
 from fxsplit.tools import coverage
@@ -45,14 +47,18 @@ CASES = [case for case in ALL_CASES if _in_ci(*case)]
 
 
 @functools.cache
-def _compiled(architecture: str, runner: str) -> coverage.Result:
-    return coverage.check(architecture, runner)
+def _compiled(architecture: str, runner: str) -> tuple[coverage.Result, tuple[str, ...]]:
+    """The case's result and the messages of the warnings fxsplit gave while it ran."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", fxsplit.FxsplitWarning)
+        result = coverage.check(architecture, runner)
+    return result, tuple(str(w.message) for w in caught if w.category is fxsplit.FxsplitWarning)
 
 
 def _result(architecture: str, runner: str) -> coverage.Result:
     if not _in_ci(architecture, runner):
         pytest.skip("a reference architecture under its other runner: FXSPLIT_HF_SWEEP=full")
-    return _compiled(architecture, runner)
+    return _compiled(architecture, runner)[0]
 
 
 def _golden(architecture: str, runner: str) -> str:
@@ -89,6 +95,15 @@ def test_decode_equals_eager(architecture, runner):
     result = _result(architecture, runner)
     assert result.exact, f"max abs diff per step: {result.diffs}"
     assert len(result.diffs) == 1 + coverage.DECODE_STEPS
+
+
+@pytest.mark.parametrize(("architecture", "runner"), CASES)
+def test_fxsplit_warns_only_where_the_model_rebinds_a_weight(architecture, runner):
+    """LongcatFlash assigns a parameter a new tensor in every forward; fxsplit says so once."""
+    _result(architecture, runner)
+    warned = _compiled(architecture, runner)[1]
+    rebinds = architecture.startswith("LongcatFlash")
+    assert [("rebinds" in w and "every step" in w) for w in warned] == [True] * rebinds, warned
 
 
 @pytest.mark.parametrize(("architecture", "runner"), CASES)
@@ -903,7 +918,7 @@ def test_readme_coverage_table_is_current():
     got = coverage.section(README.read_text(encoding="utf-8")).splitlines()
     rows = len(ALL_CASES) + len(hf_architectures.NOT_SHIPPED)
     assert len(got) == 2 + rows, stale
-    want = coverage.table([_compiled(*case) for case in CASES]).splitlines()
+    want = coverage.table([_compiled(*case)[0] for case in CASES]).splitlines()
     if FULL:
         assert got == want, stale
     else:

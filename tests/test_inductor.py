@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from fxsplit import cache, counters
 from fxsplit.passes import inductor
 from fxsplit.tools import cli
 from tests.stack import Stack
+from tests.warned import warned_at
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
@@ -81,11 +81,11 @@ def test_corrupt_entry_is_recompiled_with_one_warning(tmp_path):
     inductor.forget()
     torch._dynamo.reset()
     counters.reset()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with pytest.warns(fxsplit.FxsplitRuntimeWarning, match="could not be loaded") as caught:
         _run(Stack(1), tmp_path, sizes=(3, 5))
-    found = [w for w in caught if "could not be loaded" in str(w.message)]
-    assert len(found) == len(entries)
+    # at compile time, at the line that called the compiled model
+    line = "torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)"
+    assert warned_at(caught) == [("test_inductor.py", line)] * len(entries)
     assert counters.snapshot()["pieces_compiled"] == len(entries)
 
 
@@ -222,7 +222,11 @@ def test_compile_sizes_never_freeze_another_host_value(cache_root):
 
     model = Scaled()
     backend = fxsplit.Backend(
-        compile_pieces="inductor", compile_sizes=[4], cache_dir=str(cache_root), capture="off"
+        compile_pieces="inductor",
+        compile_sizes=[4],
+        cache_dir=str(cache_root),
+        capture="off",
+        eager_regions=[],  # the model has none
     )
     compiled = torch.compile(model, backend=backend, dynamic=True)
     with torch.no_grad():

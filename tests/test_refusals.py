@@ -39,7 +39,8 @@ def _apart(step):
 
 
 def _compile(fn, dynamic=None, **options):
-    backend = fxsplit.Backend(capture="emulate", eager_regions=[MID], **options)
+    options.setdefault("capture", "emulate")
+    backend = fxsplit.Backend(eager_regions=[MID], **options)
     return torch.compile(fn, backend=backend, dynamic=dynamic), backend
 
 
@@ -134,3 +135,62 @@ def test_fallback_never_warns_for_pieces_that_capture():
         for _ in range(4):
             model(torch.randn(2, D))
     assert not _refused(backend)
+
+
+def test_inputs_sharing_storage_that_the_piece_only_reads_are_captured():
+    def f(x, y, z):
+        z.add_(1)
+        h = x * 2 + y.sum()
+        with fxsplit.region(MID):
+            h = h.cos()
+        return h
+
+    model, backend = _compile(f)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(4):
+            base = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+            z, z_e = torch.zeros(4, 3), torch.zeros(4, 3)
+            assert torch.equal(model(base, base[1:], z), f(base, base[1:], z_e))
+            assert torch.equal(z, z_e)
+    assert not _refused(backend) and sum(
+        c.get("replays", 0) for c in backend.stats["graph_0"]["piece_0"].values()
+    )
+
+
+def test_grad_enabled_inputs_that_require_grad_are_counted_per_piece():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(D, D)
+
+        def forward(self, x):
+            h = self.a(x)
+            with fxsplit.region(MID):
+                h = h.cos()
+            return h * 2
+
+    model, backend = _compile(M())
+    with pytest.warns(fxsplit.FxsplitWarning, match="requires grad"):
+        for _ in range(4):
+            model(torch.randn(2, D))
+    for piece in ("piece_0", "piece_2"):
+        assert sum(_refused(backend, piece).values()) == 4, backend.stats
+
+
+def test_capture_off_never_raises_a_capture_refusal():
+    """Strict binding checked with capture off (runner v2) captures nothing to refuse."""
+    model, backend = _compile(
+        _split,
+        dynamic=True,
+        capture="off",
+        runner="v2",
+        on_capture_error="raise",
+        max_captured_keys=1,
+    )
+    assert backend.config.binding == "strict"
+    with torch.no_grad():
+        for n in (2, 2, 3, 3, 4):
+            x = torch.randn(n, D)
+            assert torch.equal(model(x), _split(x))
+    assert backend.runtimes and backend.runtimes[0].mode == "check"

@@ -11,6 +11,7 @@ import torch
 import fxsplit
 from fxsplit import regions
 from fxsplit.regions import node_regions, region_key
+from tests.warned import warned_at
 
 _names = itertools.count()
 
@@ -173,13 +174,11 @@ def test_graph_break_inside_region_warns_once():
     rec = Recorder()
     compiled = _compile(f, rec)
     x = torch.randn(3)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
+    with pytest.warns(fxsplit.FxsplitRuntimeWarning, match="graph break") as record:
         assert torch.equal(compiled(x), f(x))
-    found = fxsplit_warnings(record)
-    assert len(found) == 1
-    assert found[0].category is RuntimeWarning
-    assert repr(name) in str(found[0].message) and "graph break" in str(found[0].message)
+    # once, at the region in the model code
+    assert warned_at(record) == [("test_regions.py", "with fxsplit.region(name):")]
+    assert issubclass(record[0].category, RuntimeWarning) and repr(name) in str(record[0].message)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         assert torch.equal(compiled(x), f(x))
@@ -197,13 +196,11 @@ def test_region_run_eagerly_past_the_recompile_limit_names_that_cause():
 
     compiled = _compile(f, Recorder(), dynamic=False)
     x = torch.randn(3)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
+    with pytest.warns(fxsplit.FxsplitRuntimeWarning, match="recompile limit") as record:
         for step in range(4):
             assert torch.equal(compiled(x, step), f(x, step))
-    found = fxsplit_warnings(record)
-    assert len(found) == 1, [str(w.message) for w in found]
-    message = str(found[0].message)
+    assert warned_at(record) == [("test_regions.py", "with fxsplit.region(name):")]
+    message = str(record[0].message)
     assert "recompile limit" in message and "'f'" in message and "graph break" not in message
 
 

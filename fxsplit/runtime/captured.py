@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -30,6 +29,7 @@ from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import clone_sharing, storage_ptr
+from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
 _TOTALS = counters.totals
 _OWN, _ADDRESS, _PINNED = Bind.OWN, Bind.ADDRESS, Bind.PINNED
@@ -161,10 +161,7 @@ class CapturedPiece(torch.nn.Module):
         self.runtime = runtime
         self.entries: dict[tuple, _Entry] = {}
         self.warmups: dict[tuple, int] = {}
-        # capture off (checking strict binding only): nothing is captured, nothing refused
-        self.failed: str | None = (
-            None if runtime.checking else _never_captured(specs, aliasing, plan_piece.devices)
-        )
+        self.failed: str | None = _never_captured(specs, aliasing, plan_piece.devices)
         self._warned: set[str] = set()
         if self.failed is not None:
             log.info("fxsplit: %s runs uncaptured: %s", self.name, self.failed)
@@ -263,14 +260,15 @@ class CapturedPiece(torch.nn.Module):
                 )
 
     def _check(self, entry: _Entry, inputs) -> None:
-        """Capture off: check the persistent inputs as a replay would bind them.
+        """Check the persistent (ADDRESS) inputs as a replay would bind them (with capture off,
+        and before a recapture rebinds them).
 
         Raises:
             BindingError: a persistent (strict) runner input moved.
         """
         for i, _, ptr, bind, _ in entry.checks:
             value = inputs[i]
-            if value.data_ptr() != ptr:
+            if bind is _ADDRESS and value.data_ptr() != ptr:
                 error = self._moved(i, value, ptr, bind)
                 if isinstance(error, BindingError):
                     raise error
@@ -308,6 +306,8 @@ class CapturedPiece(torch.nn.Module):
             CaptureRefusedError: under ``on_capture_error="raise"``.
         """
         self.stats.refusals[why] += 1
+        if self.runtime.checking:  # capture off: nothing was going to be captured
+            return
         if self.runtime.on_capture_error == "raise":
             raise CaptureRefusedError(
                 f"fxsplit {self.runtime.graph_id}: {self.name} cannot be captured: {why} "
@@ -315,10 +315,9 @@ class CapturedPiece(torch.nn.Module):
             )
         if why not in self._warned:
             self._warned.add(why)
-            warnings.warn(
+            warn_at_caller(
                 f"fxsplit {self.runtime.graph_id}: {self.name} runs uncaptured: {why}",
-                UserWarning,
-                stacklevel=2,
+                FxsplitRuntimeWarning,
             )
 
     def _miss(self, key, inputs):
@@ -363,6 +362,7 @@ class CapturedPiece(torch.nn.Module):
         """Replace ``entry``'s graph by a new capture: it was captured before a graph already
         replayed in this step, so its replay could overwrite that graph's live outputs (see
         :mod:`fxsplit.runtime.pool`)."""
+        self._check(entry, inputs)  # a persistent input that moved is the runner's bug
         log.info(
             "fxsplit %s: %s recaptured for key %s so that replays keep capture order",
             self.runtime.graph_id,
@@ -386,13 +386,16 @@ class CapturedPiece(torch.nn.Module):
     def _fix_addresses(self, key, inputs) -> _Entry:
         """Capture off, strict binding: the entry that fixes the persistent inputs' addresses
         (what a capture would bind), with no graph."""
-        produced = self.runtime.session.produced
+        runtime = self.runtime
+        produced = runtime.session.produced
         checks = []
         for i, (spec, value) in enumerate(zip(self.specs, inputs, strict=True)):
-            if isinstance(value, torch.Tensor):
-                bind = binding.bind(spec, "strict", produced(value))
-                if bind is _ADDRESS:
-                    checks.append((i, value, value.data_ptr(), bind, None))
+            if not isinstance(value, torch.Tensor):
+                continue
+            if spec.kind == binding.RUNNER and runtime.is_frozen_memory(value):
+                continue  # a view of a parameter or buffer: bound by address, never an error
+            if binding.bind(spec, "strict", produced(value)) is _ADDRESS:
+                checks.append((i, value, value.data_ptr(), _ADDRESS, None))
         return _Entry(key, None, (), None, tuple(checks), (), self.stats.key(key), ())
 
     def _capture(self, key, inputs) -> _Entry:
@@ -464,8 +467,15 @@ class CapturedPiece(torch.nn.Module):
         bases = self._output_bases(outputs, statics)
         views = self._views(outputs, statics, binds, bases)
         owned = []
+        inputs_memory = {storage_ptr(v) for v in statics if isinstance(v, torch.Tensor)}
         for out, base in zip(_flat(outputs), bases, strict=True):
-            if isinstance(out, torch.Tensor) and base is None:
+            if (
+                isinstance(out, torch.Tensor)
+                and base is None
+                and out.untyped_storage().nbytes()
+                # an empty view of an input has no base but is no memory of fxsplit's
+                and storage_ptr(out) not in inputs_memory
+            ):
                 # fxsplit's own memory: later pieces read it where it is (a view of a caller's
                 # tensor or parameter is never bound that way: a copy into it would write there)
                 runtime.static_outputs[id(out)] = out
@@ -570,7 +580,8 @@ class CapturedPiece(torch.nn.Module):
         spec = self.specs[i]
         if bind is _PINNED:
             return _Refused(
-                f"input {spec.name!r} is a view of a parameter or buffer that moved since capture"
+                f"input {spec.name!r} is a view of a parameter or buffer, bound by address at "
+                "capture, and this call hands another view"
             )
         if self.runtime.session.produced(value):
             return _Refused(
@@ -767,9 +778,10 @@ class _AliasGuard:
     tensor handed twice, bound to one shared buffer) are no hazard.
     """
 
-    __slots__ = ("fixed", "needed", "own", "paired", "wide")
+    __slots__ = ("fixed", "needed", "own", "paired", "wide", "written")
 
     def __init__(self, statics, inputs, binds, written: list[int]):
+        self.written = frozenset(written)
         self.own = tuple(i for i, b in enumerate(binds) if b == _OWN)
         self.wide = any(binds[i] == _OWN for i in written)
         self.fixed = {
@@ -790,11 +802,13 @@ class _AliasGuard:
         """Raises:
         _Refused: naming the two inputs that share storage."""
         if self.wide:
+            written = self.written
             seen: dict[int, int] = {}
             for i, value in enumerate(inputs):
                 if isinstance(value, torch.Tensor) and value.numel():
                     j = seen.setdefault(storage_ptr(value), i)
-                    if j != i and (j, i) not in self.paired:
+                    # two inputs only read may share storage: their copies keep the values
+                    if j != i and (i in written or j in written) and (j, i) not in self.paired:
                         raise _Refused(_shared(specs, j, i))
             return
         fixed = self.fixed

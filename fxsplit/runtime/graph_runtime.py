@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -29,8 +28,11 @@ from fxsplit.runtime.captured import buffer_key as captured_buffer_key
 from fxsplit.runtime.pool import MemoryPool
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import clone_sharing, storage_ptr, view_over
+from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
 log = logging.getLogger("fxsplit")
+
+_GRAD = "grad is enabled and an input requires grad"
 
 
 class CaptureSession:
@@ -59,6 +61,7 @@ class CaptureSession:
         self.pools: dict[tuple[str, torch.device], MemoryPool] = {}
         self._called: set[int] = set()  # graphs called in this step
         self._outputs: dict[int, dict[int, StorageWeakRef]] = {}  # graph -> its last outputs
+        self._taken: dict[int, StorageWeakRef] = {}  # private copies of a call under way
         self._warned_held = False
 
     def pool(self, mode: str, device: torch.device) -> MemoryPool:
@@ -84,19 +87,20 @@ class CaptureSession:
         held = pool.ledger.held_stale(self.step)
         if held:
             self._warned_held = True
-            warnings.warn(
+            warn_at_caller(
                 f"fxsplit {held[0]}: an output of an earlier call is still held after a later "
                 "replay reused its memory. Under capture='emulate' its values were kept by a "
                 "copy; on CUDA, reading it raises. Clone outputs you keep across calls "
                 "(out.clone()), or compile with options={'clone_outputs': True}",
-                UserWarning,
-                stacklevel=4,
+                FxsplitRuntimeWarning,
             )
 
     def produced(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in memory fxsplit produced (see the class docstring)."""
         storage = tensor.untyped_storage()
         cdata = storage._cdata
+        if cdata in self._taken:
+            return True
         for outputs in self._outputs.values():
             ref = outputs.get(cdata)
             if ref is not None and not ref.expired():
@@ -109,15 +113,28 @@ class CaptureSession:
             for pool in self.pools.values()
         )
 
-    def record_outputs(self, graph: object, out: tuple) -> None:
-        """Remember ``graph``'s outputs of this call (by storage identity)."""
+    def record_outputs(self, graph: object, out: tuple, args: tuple = ()) -> None:
+        """Remember ``graph``'s outputs of this call (by storage identity), except views of
+        what the call was handed (those are the caller's)."""
+        theirs = {a.untyped_storage()._cdata for a in args if _is_strided(a)}
         refs = {}
         for o in out:
-            if isinstance(o, torch.Tensor) and o.layout == torch.strided:
+            if _is_strided(o):
                 storage = o.untyped_storage()
-                if storage._cdata not in refs:
+                if storage._cdata not in refs and storage._cdata not in theirs:
                     refs[storage._cdata] = StorageWeakRef(storage)
         self._outputs[id(graph)] = refs
+
+    def take(self, handed: list) -> None:
+        """The private copies of earlier outputs a call reads instead (see
+        :meth:`GraphRuntime._take_over`) are memory fxsplit produced while the call runs."""
+        for _, _, copy in handed:
+            storage = copy.untyped_storage()
+            self._taken[storage._cdata] = StorageWeakRef(storage)
+
+    def forget_taken(self, handed: list) -> None:
+        for _, _, copy in handed:
+            self._taken.pop(copy.untyped_storage()._cdata, None)
 
     def close(self) -> None:
         """Invalidate every output the pools handed out (their memory is about to go)."""
@@ -317,7 +334,7 @@ class GraphRuntime:
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warn_at_caller(message)
 
     def _install(self) -> list[CapturedPiece]:
         split = self.split
@@ -355,8 +372,8 @@ class GraphRuntime:
         handed = None
         self.capture_step = self._may_capture(args)
         if self.capture_step:
-            if self._params:
-                self._check_params(args)
+            # Earlier outputs handed back in are read before anything (a parameter move's
+            # recapture included) may invalidate their memory.
             if pool is not None:
                 handed = self._take_over(args)
                 if handed:
@@ -364,16 +381,20 @@ class GraphRuntime:
                     for i, _, copy in handed:
                         args[i] = copy
                     args = tuple(args)
+            if self._params:
+                self._check_params(args)
         session.enter()
+        out = ()
         try:
             out = self._forward(*args)
         finally:
             session.exit()
-        if handed:
-            out = _hand_back(out, handed)
+            if handed:  # also when the model raised: the caller's tensors leave the pool
+                out = _hand_back(out, handed)
+                session.forget_taken(handed)
         if pool is not None:
             out = self._hand_out(out, pool)
-        session.record_outputs(self, out)
+        session.record_outputs(self, out, args)
         return out
 
     def _take_over(self, args) -> list | None:
@@ -393,14 +414,22 @@ class GraphRuntime:
         copies = clone_sharing([args[i] for i in back])
         for i in back:
             ledger.adopt(args[i])
-        return [(i, args[i], c) for i, c in zip(back, copies, strict=True)]
+        handed = [(i, args[i], c) for i, c in zip(back, copies, strict=True)]
+        self.session.take(handed)
+        return handed
 
     def _hand_out(self, out: tuple, pool: MemoryPool) -> tuple:
         """The outputs in the pool's memory as fresh tensors the ledger follows, or clones with
         ``clone_outputs`` (keeping eager's aliasing between them)."""
-        owners = pool.owners
+        owners, ledger = pool.owners, pool.ledger
         mine = [
-            j for j, o in enumerate(out) if isinstance(o, torch.Tensor) and storage_ptr(o) in owners
+            j
+            for j, o in enumerate(out)
+            if isinstance(o, torch.Tensor)
+            and storage_ptr(o) in owners
+            # a view of an input that is itself an output handed out earlier in this step is
+            # returned as that view: one memory, one hand-out
+            and ledger.handed_out(o) is None
         ]
         if not mine:
             return out
@@ -410,7 +439,7 @@ class GraphRuntime:
                 result[j] = copy
             return tuple(result)
         storages: dict[int, torch.UntypedStorage] = {}
-        ledger, step, graph_id = pool.ledger, pool.step, self.graph_id
+        step, graph_id = pool.step, self.graph_id
         for j in mine:
             o = out[j]
             order = owners[storage_ptr(o)]
@@ -458,11 +487,13 @@ class GraphRuntime:
                     "pieces cannot be captured (on_capture_error='raise'); run inference under "
                     "torch.no_grad() or torch.inference_mode()"
                 )
+            for piece in self.pieces:
+                piece.stats.refusals[_GRAD] += 1
             self._warn_once(
                 "grad",
-                f"fxsplit {self.graph_id}: grad is enabled and an input requires grad, so "
-                "pieces run uncaptured (a replay returns outputs without grad_fn); run "
-                "inference under torch.no_grad() or torch.inference_mode()",
+                f"fxsplit {self.graph_id}: {_GRAD}, so pieces run uncaptured (a replay returns "
+                "outputs without grad_fn); run inference under torch.no_grad() or "
+                "torch.inference_mode()",
             )
             return False
         if self.capture_sizes is None or self._size_index is None:
@@ -488,11 +519,13 @@ class GraphRuntime:
         moved = [i for i, a, b in zip(self._params, ptrs, self._param_ptrs, strict=True) if a != b]
         self._param_ptrs = ptrs
         self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
+        # The model rebinding its buffers moves them on consecutive steps, or to memory fxsplit
+        # produced (an output); reloading weights (load_state_dict(assign=True)) moves them once
+        # in a while, to the caller's memory.
+        produced = any(self.session.produced(args[i]) for i in moved)
         rebound = []
         for i in moved:
-            # The model rebinding a buffer moves it on consecutive steps; reloading weights
-            # (load_state_dict(assign=True)) moves them once in a while.
-            if self._moves.get(i) == self._steps - 1:
+            if produced or self._moves.get(i) == self._steps - 1:
                 rebound.append(i)
             self._moves[i] = self._steps
         if rebound:
@@ -581,12 +614,10 @@ def size_input_index(
             if names[i] == size_input:
                 return i
     if size_input is not None and warn:
-        warnings.warn(
+        warn_at_caller(
             f"fxsplit: size_input={size_input!r} names no tensor argument of this graph "
             f"(tensor arguments: {', '.join(sorted(n for n in names.values() if n)) or 'none'}); "
-            "using the first tensor argument",
-            UserWarning,
-            stacklevel=5,
+            "using the first tensor argument"
         )
     if arg_names:
         order = {name: k for k, name in enumerate(arg_names)}
@@ -603,6 +634,10 @@ def _argument(node) -> str | None:
     if isinstance(name, str) and name.startswith("L['") and name.endswith("']"):
         return name[3:-2]
     return None
+
+
+def _is_strided(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided
 
 
 def _generators(nodes) -> tuple:
@@ -633,7 +668,7 @@ def _hand_back(out: tuple, handed: list) -> tuple:
         swapped[mine._cdata] = theirs
     return tuple(
         view_over(swapped[o.untyped_storage()._cdata], o)
-        if isinstance(o, torch.Tensor) and o.untyped_storage()._cdata in swapped
+        if _is_strided(o) and o.untyped_storage()._cdata in swapped
         else o
         for o in out
     )

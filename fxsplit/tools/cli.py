@@ -116,11 +116,11 @@ def _compile(spec: str, factory, options: dict):
 
 
 def _console():
-    """A rich console; 140 columns when writing to a pipe or file without ``COLUMNS`` set."""
+    """A rich console; 100 columns when writing to a pipe or file without ``COLUMNS`` set."""
     from rich.console import Console
 
     if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
-        return Console(width=140)
+        return Console(width=100)
     return Console()
 
 

@@ -1,9 +1,10 @@
 """``fxsplit demo``: the main job, end to end on CPU (capture emulated) or CUDA (captured).
 
 1. The serving-style DeepSeek-V4 model (:mod:`fxsplit.models.deepseek_v4`) compiled with
-   ``backend="fxsplit"`` under runners v1 and v2, decoding with changing batch sizes and per-step
-   metadata; prints each plan and, per step, the max abs difference against eager and the
-   captures, replays and input copies of that step.
+   ``backend=fxsplit.Backend(...)`` under runners v1 and v2, decoding with changing batch sizes
+   and per-step metadata; prints each plan (with the step that compiled its graph) and, per
+   step, the max abs difference against eager and the step's counters, then what the input
+   copies copied.
 2. Why v1 wants the wide eager region: under v1 (fresh metadata tensors each step) the narrow plan
    (attention input preparation captured) is correct only because ``input_binding="copy"``
    copies the metadata into static buffers every step; the wide plan copies no metadata.
@@ -11,14 +12,16 @@
    marked by nothing but fxsplit's built-in presets (:mod:`fxsplit.presets`: its indexer is
    ``sparse_indexer``, its rotary embeddings ``attn_prep``, so the v1 and v2 plans differ) under
    both runners, capture emulated (or CUDA), captured pieces on both sides of the indexer;
-   prefill logits against eager for several sequence lengths. Skipped, with the install
-   command, where transformers is missing.
+   prefill logits against eager for several sequence lengths, each plan labelled with the
+   lengths it belongs to. Skipped, with the install command, where transformers is missing.
 
 ``fxsplit demo --model <Architecture>`` runs instead one transformers architecture of
 :mod:`fxsplit.models.hf_architectures` (tiny config, prefill and decode steps with a KV cache)
 under its default runner and the other one, and compares every step's logits with eager.
 
-Tables fold long cells instead of cutting them, so the output reads at 80 columns.
+The default runner of each model (:func:`fxsplit.runners.default_runner`) is marked; one line
+per counter says what it counts. Lists in table cells go one item per line and headers wrap at
+spaces, so no word is cut at 80 columns.
 
 Every comparison must match exactly (the split and the replay change no number); the exit
 status is 1 if one does not.
@@ -26,18 +29,30 @@ status is 1 if one does not.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from rich.console import Console
 from rich.table import Table
 
 import fxsplit
 from fxsplit.models import deepseek_v4, hf_architectures, hf_deepseek_v4
-from fxsplit.tools import coverage
-from fxsplit.tools.dump import graph_title, plan_table
+from fxsplit.plan import SplitPlan
+from fxsplit.tools.dump import plan_table
 
 STEPS = (4, 4, 3, 4, 5, 3, 2, 4, 6, 4)
 PREFILL_LENGTHS = (5, 8, 13)
 METADATA = ("positions", "slot_mapping", "block_table", "seq_lens")
+DEEPSEEK = "DeepseekV4ForCausalLM"
+
+LEGEND = (
+    ("graph_<n>", "the n-th graph Dynamo compiled; in brackets: the step it was for"),
+    ("captures", "captured pieces recorded as a CUDA graph (emulated on CPU)"),
+    ("replays", "captured pieces run by replaying their recorded graph"),
+    ("uncaptured", "pieces run without a graph (warm-up, a size seen first)"),
+    ("input copies", "new tensors copied into the buffers a recorded graph reads"),
+)
+"""What the tables' words and counters mean, one line each."""
 
 
 def _capture_mode() -> tuple[str, str]:
@@ -63,18 +78,49 @@ def _equal(got: torch.Tensor, want: torch.Tensor, compiled: bool) -> tuple[bool,
     return _close(diff, got.device.type, compiled), diff
 
 
-def _metadata_copies(backend: fxsplit.Backend) -> int:
-    return sum(
-        n
-        for runtime in backend.runtimes
-        for piece in runtime.pieces
-        for name, n in piece.stats.copies_by_input.items()
-        if any(m in name for m in METADATA)
+def _runner_label(runner: str, architecture: str) -> str:
+    default = fxsplit.runners.default_runner(architecture)
+    return f"runner {runner}" + (" (default)" if runner == default else "")
+
+
+def _plan_title(plan: SplitPlan, when: str) -> str:
+    """``"graph_0 (step 0), runner v1: 5 pieces (3 captured, 2 eager)"``."""
+    n = len(plan.pieces)
+    return (
+        f"{plan.graph_id} ({when}), runner {plan.runner}: {n} piece{'s' if n != 1 else ''} "
+        f"({len(plan.captured)} captured, {len(plan.eager)} eager)"
     )
 
 
-def _decode(runner: str, compile_pieces: str, eager_regions=None, steps=STEPS):
-    """Compile and decode; returns the backend and (batch, ok, diff, counter deltas) per step."""
+def _table(title: str) -> Table:
+    # as wide as its title (up to the terminal's width): a title wraps only where it must
+    return Table(title=title, min_width=len(title))
+
+
+def _counter_columns(table: Table) -> None:
+    # Headers wrap at their spaces; numbers never wrap.
+    for column in ("captures", "replays", "uncaptured", "input copies"):
+        table.add_column(column, justify="right")
+
+
+def _counter_cells(delta: dict[str, int]) -> tuple[str, ...]:
+    return tuple(str(delta[k]) for k in ("captures", "replays", "uncaptured_runs", "input_copies"))
+
+
+@dataclass
+class _Decode:
+    """One decode run: the backend, per step ``(batch, ok, diff, counter deltas)``, and the
+    step at which each graph was compiled (``{graph_id: step}``)."""
+
+    backend: fxsplit.Backend
+    rows: list[tuple[int, bool, float, dict[str, int]]]
+    compiled_at: dict[str, int]
+
+
+def _decode(runner: str, compile_pieces: str, eager_regions=None, steps=None) -> _Decode:
+    """Compile the reference DeepSeek-V4 model and decode ``steps`` (batch sizes; the demo's
+    :data:`STEPS` when None)."""
+    steps = STEPS if steps is None else steps
     mode, device = _capture_mode()
     torch._dynamo.reset()
     persistent = fxsplit.runners.get(runner).persistent_inputs
@@ -89,72 +135,102 @@ def _decode(runner: str, compile_pieces: str, eager_regions=None, steps=STEPS):
     feed_ref = deepseek_v4.DecodeRunner(
         model.config, max(steps), persistent=persistent, device=device
     )
-    rows = []
+    run = _Decode(backend, [], {})
     with torch.no_grad():
-        for batch in steps:
+        for step, batch in enumerate(steps):
             before = fxsplit.counters.snapshot()
             got = compiled(*feed.step(batch))
             after = fxsplit.counters.snapshot()
             want = reference(*feed_ref.step(batch))
             ok, diff = _equal(got, want, _compiles(compile_pieces, device))
-            rows.append((batch, ok, diff, {k: after[k] - before[k] for k in after}))
-    return backend, rows
+            run.rows.append((batch, ok, diff, {k: after[k] - before[k] for k in after}))
+            for plan in backend.plans:
+                run.compiled_at.setdefault(plan.graph_id, step)
+    return run
+
+
+def _copied(backend: fxsplit.Backend) -> dict[str, int]:
+    """Input copies per copied value over every replay: ``{name: copies}``, named as the
+    caller's argument (``input_ids``) or as the value an earlier piece made (``attn``)."""
+    copies: dict[str, int] = {}
+    for runtime, split in zip(backend.runtimes, backend.compiled, strict=False):
+        nodes = {n.name: n for n in split.graph_module.graph.nodes}
+        for piece in runtime.pieces:
+            for name, n in piece.stats.copies_by_input.items():
+                node = nodes.get(name)
+                if node is not None and node.op == "placeholder" and name.startswith("l_"):
+                    name = name[2:].rstrip("_")  # Dynamo names the argument x "l_x_"
+                copies[name] = copies.get(name, 0) + n
+    return copies
+
+
+def _metadata_copies(backend: fxsplit.Backend) -> int:
+    return sum(n for name, n in _copied(backend).items() if name in METADATA)
+
+
+def _copies_line(backend: fxsplit.Backend) -> str:
+    copied = _copied(backend)
+    names = ", ".join(f"{name} {n}" for name, n in copied.items()) or "none"
+    return f"input copies of all steps, by value: {names}"
 
 
 def _deepseek(console: Console, runner: str, compile_pieces: str) -> bool:
     persistent = fxsplit.runners.get(runner).persistent_inputs
     metadata = "persistent buffers" if persistent else "fresh tensors each step"
-    table = Table(title=f"DeepSeek-V4 decode, runner {runner} (metadata: {metadata})")
-    columns = ("step", "batch", "max diff", "captures", "replays", "uncaptured", "input copies")
-    for column in columns:
-        table.add_column(column, justify="right", overflow="fold")
+    label = _runner_label(runner, DEEPSEEK)
+    run = _decode(runner, compile_pieces)
+    console.print(f"DeepSeek-V4 reference model, decode, {label}", highlight=False)
+    for plan in run.backend.plans:
+        console.print(plan_table(plan, _plan_title(plan, f"step {run.compiled_at[plan.graph_id]}")))
+    table = _table(f"DeepSeek-V4 decode, {label}; metadata: {metadata}")
+    for column in ("step", "batch", "max diff"):
+        table.add_column(column, justify="right")
+    _counter_columns(table)
     table.add_column("ok")
     ok = True
-    backend, rows = _decode(runner, compile_pieces)
-    for step, (batch, good, diff, delta) in enumerate(rows):
+    for step, (batch, good, diff, delta) in enumerate(run.rows):
         ok &= good
         table.add_row(
-            str(step),
-            str(batch),
-            f"{diff:.3g}",
-            str(delta["captures"]),
-            str(delta["replays"]),
-            str(delta["uncaptured_runs"]),
-            str(delta["input_copies"]),
-            "yes" if good else "NO",
+            str(step), str(batch), f"{diff:.3g}", *_counter_cells(delta), "yes" if good else "NO"
         )
-    for plan in backend.plans:
-        console.print(plan_table(plan, f"DeepSeek-V4 {graph_title(plan)}"))
     console.print(table)
+    console.print(_copies_line(run.backend), highlight=False)
     return ok
 
 
 def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
-    table = Table(title="Runner v1 (fresh metadata each step): why the wide eager region")
-    for column in ("plan", "eager regions", "equal to eager", "metadata copies", "input copies"):
-        table.add_column(column, overflow="fold")
+    table = _table("Runner v1 (fresh metadata each step): why the wide eager region")
+    for column in ("plan", "eager regions", "equal to eager", "metadata copies", "other copies"):
+        table.add_column(column)
     ok = True
-    rows = (("wide (default)", None), ("narrow (prep captured)", ["sparse_indexer", "attention"]))
-    for label, regions in rows:
-        good, copies = True, 0
-        backend, rows = _decode("v1", compile_pieces, regions)
-        for _, step_ok, _, delta in rows:
-            good &= step_ok
-            copies += delta["input_copies"]
-        meta = _metadata_copies(backend)
+    others: dict[str, None] = {}
+    for label, regions in (("wide (v1's)", None), ("narrow", ["sparse_indexer", "attention"])):
+        run = _decode("v1", compile_pieces, regions)
+        good = all(step_ok for _, step_ok, _, _ in run.rows)
+        copies = sum(delta["input_copies"] for *_, delta in run.rows)
+        meta = _metadata_copies(run.backend)
         ok &= good and (meta == 0) == (regions is None)
-        names = ", ".join(sorted(backend.plans[0].eager_regions))
-        table.add_row(label, names, "yes" if good else "NO", str(meta), str(copies))
+        names = "\n".join(sorted(run.backend.plans[0].eager_regions))
+        table.add_row(label, names, "yes" if good else "NO", str(meta), str(copies - meta))
+        others.update(dict.fromkeys(n for n in _copied(run.backend) if n not in METADATA))
     console.print(table)
+    console.print(f"metadata copies: copies of {', '.join(METADATA)}", highlight=False)
+    console.print(f"other copies: copies of {', '.join(others) or 'nothing'}", highlight=False)
     return ok
 
 
 def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
     mode, device = _capture_mode()
-    table = Table(title=f"transformers DeepseekV4ForCausalLM prefill, runner {runner}, {mode}")
-    for column in ("seq_len", "pieces captured/eager", "max diff", "replays", "ok"):
-        table.add_column(column, justify="right", overflow="fold")
+    label = _runner_label(runner, DEEPSEEK)
+    table = _table(f"transformers {DEEPSEEK} prefill, {label}")
+    table.add_column("seq_len", justify="right")
+    table.add_column("captured/eager pieces", justify="right")
+    table.add_column("captures, 1st call", justify="right")
+    table.add_column("replays, 2nd call", justify="right")
+    table.add_column("max diff", justify="right")
+    table.add_column("ok")
     ok = True
+    plans: dict[str, tuple[SplitPlan, list[int]]] = {}  # plan text -> (plan, its lengths)
     for seq_len in PREFILL_LENGTHS:
         torch._dynamo.reset()
         model, args = hf_deepseek_v4.example(seq_len=seq_len)
@@ -168,22 +244,73 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
         compiled = torch.compile(model, backend=backend)
         with torch.no_grad():
             want = model(*args)
+            before = fxsplit.counters.snapshot()
             compiled(*args)  # captures
-            before = fxsplit.counters.snapshot()["replays"]
+            middle = fxsplit.counters.snapshot()
             got = compiled(*args)  # replays
-            replays = fxsplit.counters.snapshot()["replays"] - before
+            after = fxsplit.counters.snapshot()
         good, diff = _equal(got, want, _compiles(compile_pieces, device))
-        pieces = backend.plans[0].pieces
-        sides = [p.kind for p in pieces]
-        indexer = next(i for i, p in enumerate(pieces) if "sparse_indexer" in p.regions)
+        (plan,) = backend.plans
+        plans.setdefault(plan.format(), (plan, []))[1].append(seq_len)
+        sides = [p.kind for p in plan.pieces]
+        indexer = next(i for i, p in enumerate(plan.pieces) if "sparse_indexer" in p.regions)
         good &= "captured" in sides[:indexer] and "captured" in sides[indexer + 1 :]
+        replays = after["replays"] - middle["replays"]
         ok &= good and replays > 0
-        counts = f"{sides.count('captured')}/{sides.count('eager')}"
-        table.add_row(str(seq_len), counts, f"{diff:.3g}", str(replays), "yes" if good else "NO")
-    for plan in backend.plans:  # the plans of the longest prefill
-        console.print(plan_table(plan, f"transformers DeepseekV4ForCausalLM {graph_title(plan)}"))
+        table.add_row(
+            str(seq_len),
+            f"{sides.count('captured')}/{sides.count('eager')}",
+            str(middle["captures"] - before["captures"]),
+            str(replays),
+            f"{diff:.3g}",
+            "yes" if good else "NO",
+        )
+    console.print(f"transformers {DEEPSEEK}, prefill, {label}", highlight=False)
+    for plan, lengths in plans.values():
+        console.print(
+            plan_table(plan, _plan_title(plan, f"seq_len {', '.join(map(str, lengths))}"))
+        )
     console.print(table)
     return ok
+
+
+@dataclass
+class _ModelRun:
+    """One architecture under one runner: its plans, the step that compiled each graph, and
+    per step ``(label, diff, counter deltas)``."""
+
+    plans: list[SplitPlan]
+    compiled_at: dict[str, str]
+    rows: list[tuple[str, float, dict[str, int]]]
+
+
+def _model_run(architecture: str, runner: str, compile_pieces: str) -> _ModelRun:
+    """Prefill and decode ``architecture``'s tiny model with a ``DynamicCache``, compiled and
+    eager, step by step."""
+    from transformers import DynamicCache
+
+    mode, device = _capture_mode()
+    model = hf_architectures.build(architecture).to(device)
+    ids = [t.to(device) for t in hf_architectures.token_ids(model, 2)]
+    want = hf_architectures.decode(model, model.config, ids)
+    torch._dynamo.reset()
+    backend = fxsplit.Backend(runner=runner, capture=mode, compile_pieces=compile_pieces)
+    compiled = torch.compile(model, backend=backend)
+    cache = DynamicCache(config=model.config)
+    run = _ModelRun([], {}, [])
+    with torch.no_grad():
+        for step, tokens in enumerate(ids):
+            label = "prefill" if step == 0 else f"decode {step}"
+            before = fxsplit.counters.snapshot()
+            got = compiled(input_ids=tokens, cache=cache, use_cache=True).logits
+            after = fxsplit.counters.snapshot()
+            diff = (got.float() - want[step].float()).abs().max().item()
+            run.rows.append((label, diff, {k: after[k] - before[k] for k in after}))
+            for plan in backend.plans:
+                run.compiled_at.setdefault(plan.graph_id, label)
+    run.plans = list(backend.plans)
+    torch._dynamo.reset()
+    return run
 
 
 def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
@@ -191,50 +318,56 @@ def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
     mode, device = _capture_mode()
     listed = hf_architectures.ARCHITECTURES[architecture].stands_for or architecture
     first = fxsplit.runners.default_runner(listed)
-    table = Table(title=f"{architecture}: prefill + decode with a KV cache, {mode}")
-    for column in ("runner", "step", "tokens", "max diff", "ok"):
-        table.add_column(column, justify="right", overflow="fold")
     ok = True
     for runner in (first, "v2" if first == "v1" else "v1"):
-        result = coverage.check(
-            architecture, runner, capture=mode, device=device, compile_pieces=compile_pieces
-        )
-        for plan in result.plans:
-            console.print(plan_table(plan, f"{architecture} {graph_title(plan)}"))
-        for step, diff in enumerate(result.diffs):
+        run = _model_run(architecture, runner, compile_pieces)
+        label = _runner_label(runner, listed)
+        console.print(f"{architecture}, {label}, capture {mode}", highlight=False)
+        for plan in run.plans:
+            console.print(plan_table(plan, _plan_title(plan, run.compiled_at[plan.graph_id])))
+        prefill = hf_architectures.PREFILL_LEN
+        table = _table(f"{label}: prefill {prefill} tokens, then 1 per decode step")
+        table.add_column("step")
+        table.add_column("max diff", justify="right")
+        _counter_columns(table)
+        table.add_column("ok")
+        for step, diff, delta in run.rows:
             good = _close(diff, device, _compiles(compile_pieces, device))
             ok &= good
-            tokens = hf_architectures.PREFILL_LEN if step == 0 else 1
-            label = "prefill" if step == 0 else f"decode {step}"
-            table.add_row(runner, label, str(tokens), f"{diff:.3g}", "yes" if good else "NO")
-    console.print(table)
+            table.add_row(step, f"{diff:.3g}", *_counter_cells(delta), "yes" if good else "NO")
+        console.print(table)
     return ok
 
 
-def run(model: str | None = None, compile_pieces: str = "auto") -> int:
+def print_legend(console: Console) -> None:
+    """Print :data:`LEGEND`, one line per word."""
+    console.print("How to read the tables:", highlight=False)
+    for word, meaning in LEGEND:
+        console.print(f"  {word:<13}{meaning}", highlight=False)
+
+
+def run(
+    model: str | None = None, compile_pieces: str = "auto", console: Console | None = None
+) -> int:
     """Run the demo, or with ``model`` (an architecture name of
     :mod:`fxsplit.models.hf_architectures`) that architecture only; returns the process exit
     status (0 when every comparison matched). ``compile_pieces`` is the option of that name
     (``"inductor"`` compiles the captured pieces; comparisons then allow
-    :data:`COMPILED_TOLERANCE`).
+    :data:`COMPILED_TOLERANCE`). Prints to ``console`` (a terminal-sized one when None).
 
     Raises:
         ValueError: an unknown architecture (the message lists the known ones).
         ImportError: ``model`` given and transformers missing or lacking it.
     """
-    console = Console()
+    console = console or Console()
     mode, device = _capture_mode()
     pieces = "Inductor" if _compiles(compile_pieces, device) else "generated Python"
     console.print(f"capture: {mode} on {device}; pieces: {pieces}; torch {torch.__version__}")
+    print_legend(console)
     if model is not None:
         ok = _model(console, model, compile_pieces)
         console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")
         return 0 if ok else 1
-    console.print(
-        "Per step: captures and replays of captured pieces, uncaptured runs (warm-up, sizes "
-        "first seen), input copies (values copied into fxsplit's static buffers).",
-        highlight=False,
-    )
     ok = True
     for runner in ("v1", "v2"):
         ok &= _deepseek(console, runner, compile_pieces)

@@ -125,10 +125,11 @@ def decode(rank: int, world_size: int, runners=RUNNERS, steps=None, config=None,
     of the DeepSeek-V4 model with ``config`` (the default when None) under each runner.
 
     Returns:
-        ``{"rows": [...], "plans": {runner: [plan text, ...]}}``: per runner and step, a row
-        dict with ``runner``, ``step``, ``batch``, ``diff`` (largest difference from the
-        single-process model), ``exact`` (equal to the eager tensor-parallel model bit for
-        bit), ``captures`` and ``replays`` (this rank's, during that step).
+        ``{"rows": [...], "plans": {runner: [plan text, ...]}, "split_plans": {runner:
+        [SplitPlan, ...]}}``: per runner and step, a row dict with ``runner``, ``step``,
+        ``batch``, ``diff`` (largest difference from the single-process model), ``exact``
+        (equal to the eager tensor-parallel model bit for bit), ``captures`` and ``replays``
+        (this rank's, during that step); each runner's plans as text and as data.
 
     ``options`` go to :class:`fxsplit.Backend` on top of the runner and ``capture="emulate"``.
     """
@@ -140,7 +141,7 @@ def decode(rank: int, world_size: int, runners=RUNNERS, steps=None, config=None,
 
     steps = STEPS if steps is None else steps
     group = dist.group.WORLD
-    rows, plans = [], {}
+    rows, plans, split_plans = [], {}, {}
     for runner in runners:
         torch._dynamo.reset()
         persistent = fxsplit.runners.get(runner).persistent_inputs
@@ -172,13 +173,15 @@ def decode(rank: int, world_size: int, runners=RUNNERS, steps=None, config=None,
                     }
                 )
         plans[runner] = [plan.format() for plan in backend.plans]
-    return {"rows": rows, "plans": plans}
+        split_plans[runner] = list(backend.plans)
+    return {"rows": rows, "plans": plans, "split_plans": split_plans}
 
 
 def run(world_size: int) -> int:
     """``fxsplit demo --tp N``; returns the exit status (0 when every rank matched)."""
     from rich.console import Console
-    from rich.table import Table
+
+    from fxsplit.tools.demo import print_legend
 
     console = Console()
     console.print(
@@ -186,6 +189,7 @@ def run(world_size: int) -> int:
         f"torch {torch.__version__}",
         highlight=False,
     )
+    print_legend(console)
     try:
         # N ranks share the machine's cores: allow more time for more ranks.
         results = spawn(decode, world_size, timeout_s=max(TIMEOUT_S, 120.0 * world_size))
@@ -197,43 +201,72 @@ def run(world_size: int) -> int:
         for rank, error in errors:
             console.print(f"[red]rank {rank}: {error}[/]", highlight=False)
         return 1
-    for texts in results[0]["plans"].values():
-        for text in texts:
-            console.print(text, highlight=False)
-    table = Table(title=f"DeepSeek-V4 decode, tensor parallel {world_size}, vs one process")
-    for column in ("runner", "step", "batch"):
-        table.add_column(column, justify="right")
-    for rank in range(world_size):
-        table.add_column(f"rank {rank} max diff", justify="right")
-    table.add_column("captures/rank", justify="right")
-    table.add_column("replays/rank", justify="right")
-    table.add_column("ok")
-    ok = True
-    for i, row in enumerate(results[0]["rows"]):
-        per_rank = [result["rows"][i] for result in results]
-        good = all(r["diff"] <= ATOL and r["exact"] for r in per_rank)
-        good &= len({(r["captures"], r["replays"]) for r in per_rank}) == 1
-        ok &= good
-        table.add_row(
-            row["runner"],
-            str(row["step"]),
-            str(row["batch"]),
-            *(f"{r['diff']:.2g}" + ("" if r["exact"] else " (≠eager)") for r in per_rank),
-            str(row["captures"]),
-            str(row["replays"]),
-            "yes" if good else "NO",
-        )
-    console.print(table)
+    console.print(render(results, world_size))
+    ok = all(row["ok"] for row in _rows(results))
     for runner in RUNNERS:  # the captured path must have run, on every rank
         for rank, result in enumerate(results):
             if not any(r["replays"] for r in result["rows"] if r["runner"] == runner):
                 ok = False
                 console.print(f"[red]rank {rank}, runner {runner}: no replay[/]")
     console.print(
-        f"max diff: against the single-process model (allowed {ATOL:g}: sums run in another "
-        "order); every rank's compiled logits must also equal its eager tensor-parallel "
-        "model's bit for bit",
+        f"max diff: the largest over the ranks against the single-process model (allowed "
+        f"{ATOL:g}: sums run in another order); every rank's compiled logits must also equal "
+        "its eager tensor-parallel model's bit for bit",
         highlight=False,
     )
     console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")
     return 0 if ok else 1
+
+
+def _rows(results: list[dict]) -> list[dict]:
+    """Rank 0's rows, each with ``ranks`` (every rank's row of that step) and ``ok``."""
+    rows = []
+    for i, row in enumerate(results[0]["rows"]):
+        per_rank = [result["rows"][i] for result in results]
+        good = all(r["diff"] <= ATOL and r["exact"] for r in per_rank)
+        good &= len({(r["captures"], r["replays"]) for r in per_rank}) == 1
+        rows.append({**row, "ranks": per_rank, "ok": good})
+    return rows
+
+
+def render(results: list[dict], world_size: int):
+    """The demo's output for ``results`` (one :func:`decode` result per rank) as one rich
+    ``Group``: rank 0's plans (every rank split alike: ``check_ranks``), each titled with its
+    runner, then per runner and step the largest difference over the ranks, the ranks whose
+    logits differ from their eager tensor-parallel model's, the captures and replays (the same
+    on every rank, or the row fails) and whether the row passed."""
+    from rich.console import Group
+    from rich.table import Table
+
+    import fxsplit
+    from fxsplit.tools.dump import plan_table
+
+    parts = [plan_table(plan) for plans in results[0]["split_plans"].values() for plan in plans]
+    default = fxsplit.runners.default_runner("DeepseekV4ForCausalLM")
+    title = f"DeepSeek-V4 decode, tensor parallel {world_size}, vs one process, all ranks"
+    steps = Table(title=title, min_width=len(title))
+    steps.add_column("runner")
+    for column in ("step", "batch"):
+        steps.add_column(column, justify="right")
+    steps.add_column("max diff", justify="right")
+    steps.add_column("ranks not equal to eager", justify="right")
+    steps.add_column("captures per rank", justify="right")
+    steps.add_column("replays per rank", justify="right")
+    steps.add_column("ok")
+    shown = None
+    for row in _rows(results):
+        runner = row["runner"]  # named on its first row only
+        label = "" if runner == shown else runner + (" (default)" if runner == default else "")
+        shown = runner
+        steps.add_row(
+            label,
+            str(row["step"]),
+            str(row["batch"]),
+            f"{max(r['diff'] for r in row['ranks']):.2g}",
+            " ".join(str(k) for k, r in enumerate(row["ranks"]) if not r["exact"]) or "-",
+            str(row["captures"]),
+            str(row["replays"]),
+            "yes" if row["ok"] else "NO",
+        )
+    parts.append(steps)
+    return Group(*parts)
