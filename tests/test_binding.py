@@ -143,7 +143,7 @@ def test_a_buffer_rebound_to_an_output_every_step_is_copied(warmup_runs):
     compiled_net, eager = _Rebinding(), _Rebinding()
     backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs)
     model = torch.compile(compiled_net, backend=backend, dynamic=True)
-    with torch.no_grad(), pytest.warns(fxsplit.FxsplitWarning, match="rebinds"):
+    with torch.no_grad(), pytest.warns(fxsplit.FxsplitWarning, match="moved on consecutive calls"):
         for step in range(6):
             x = torch.full((2, 4), float(step))
             assert torch.equal(model(x), eager(x)), step
@@ -266,3 +266,21 @@ def test_strict_binding_never_checks_a_piece_that_is_never_captured(capture):
         for _ in range(5):
             y = torch.randn(4, 4)  # a fresh tensor every step
             assert torch.equal(model(x, y), _ChangesItsInputsLayout()(x, y))
+
+
+def test_a_callers_tensor_at_the_address_of_a_dropped_output_is_still_the_callers():
+    """fxsplit knows its outputs by storage identity: the allocator may hand a dropped output's
+    address to the caller's next tensor, which strict binding must still bind by address."""
+    model = torch.compile(_Feedback(), backend=fxsplit.Backend(capture="emulate", runner="v2"))
+    with torch.no_grad():
+        x = torch.randn(3, 4)
+        out = model(x)
+        address, nbytes = out.untyped_storage().data_ptr(), out.untyped_storage().nbytes()
+        del out
+        buffer = torch.empty(nbytes, dtype=torch.uint8).view(torch.float32).view(3, 4)
+        if buffer.untyped_storage().data_ptr() != address:
+            pytest.skip("the allocator did not reuse the address")
+        buffer.copy_(x)
+        model(buffer)  # capture: bound to the caller's buffer by address
+        with pytest.raises(fxsplit.BindingError):
+            model(torch.randn(3, 4))

@@ -194,3 +194,14 @@ def test_capture_off_never_raises_a_capture_refusal():
             x = torch.randn(n, D)
             assert torch.equal(model(x), _split(x))
     assert backend.runtimes and backend.runtimes[0].mode == "check"
+
+
+def test_verify_compares_bit_for_bit_in_the_emulator_and_within_tolerance_on_cuda():
+    from fxsplit.runtime.captured import _same
+
+    a = torch.tensor([1.0, 2.0, float("nan")])
+    b = a.clone()
+    b[0] = torch.nextafter(b[0], torch.tensor(2.0))  # one ulp away
+    assert _same(a, a.clone(), exact=True) and not _same(a, b, exact=True)
+    assert _same(a, b, exact=False)  # a graph-launched kernel may round differently on CUDA
+    assert not _same(a, a + 1e-3, exact=False)

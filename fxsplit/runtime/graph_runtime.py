@@ -549,9 +549,11 @@ class GraphRuntime:
         names = [self._placeholders[i].name for i in indices]
         self._warn_once(
             "rebound:" + ",".join(names),
-            f"fxsplit {self.graph_id}: the model rebinds {', '.join(names)} (a parameter or "
-            "buffer assigned a new tensor in forward) every step; fxsplit now copies it like a "
-            "runner input instead of recapturing. Update it in place (copy_) to avoid the copy.",
+            f"fxsplit {self.graph_id}: {', '.join(names)} (a parameter or buffer) moved on "
+            "consecutive calls, so fxsplit now copies it like a runner input instead of "
+            "recapturing. Either the model rebinds it in forward (update it in place with copy_ "
+            "to avoid the copy), or several instances of one module class call this compiled "
+            "graph (compile each with its own fxsplit.Backend).",
         )
         self._volatile.update(names)
         self._params = [i for i in self._params if i not in indices]
