@@ -107,7 +107,7 @@ ILLEGAL = [
     ("print", lambda t: print(t), "__repr__"),
     ("synchronize", lambda t: torch.cuda.synchronize(), "torch.cuda.synchronize"),
     ("pin_memory", lambda t: torch.empty(4, pin_memory=True), "pin_memory"),
-    ("custom_op_body", lambda t: _syncs_inside(t), "_local_scalar_dense"),
+    ("custom_op_body", lambda t: _syncs_inside(t), "aten::item"),
 ]
 
 

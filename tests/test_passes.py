@@ -14,7 +14,8 @@ from fxsplit.passes import normalise as normalise_pass
 from fxsplit.passes import split
 from fxsplit.passes.mark import Policy
 from fxsplit.passes.modules import ModuleMatcher, module_path
-from fxsplit.passes.ops import OpMatcher, op_name, parse_op_name, unsafe_op
+from fxsplit.passes.op_facts import unsafe
+from fxsplit.passes.ops import OpMatcher, op_name, parse_op_name
 from fxsplit.runners import Runner
 
 # --------------------------------------------------------------------------- custom ops
@@ -193,7 +194,7 @@ def test_op_matcher_ignores_non_ops():
     assert matcher.match(make_node(operator.getitem)) is None
 
 
-# --------------------------------------------------------------------------- ops.unsafe_op
+# --------------------------------------------------------------------------- op_facts.unsafe
 
 
 @pytest.mark.parametrize(
@@ -207,15 +208,15 @@ def test_op_matcher_ignores_non_ops():
         ("tolist", "call_method", "aten::tolist"),
     ],
 )
-def test_unsafe_op_data_dependent_and_host_reads(target, op, want):
-    assert unsafe_op(make_node(target, op)) == want
+def test_unsafe_data_dependent_and_host_reads(target, op, want):
+    assert unsafe(make_node(target, op)) == want
 
 
-def test_unsafe_op_custom_op_tagged_cudagraph_unsafe():
-    assert unsafe_op(make_node(torch.ops.fxsplit_test_passes.unsafe_clone.default)) == (
+def test_unsafe_custom_op_tagged_cudagraph_unsafe():
+    assert unsafe(make_node(torch.ops.fxsplit_test_passes.unsafe_clone.default)) == (
         "fxsplit_test_passes::unsafe_clone"
     )
-    assert unsafe_op(make_node(torch.ops.fxsplit_test_passes.unsafe_clone)) == (
+    assert unsafe(make_node(torch.ops.fxsplit_test_passes.unsafe_clone)) == (
         "fxsplit_test_passes::unsafe_clone"
     )
 
@@ -230,8 +231,8 @@ def test_unsafe_op_custom_op_tagged_cudagraph_unsafe():
         (operator.getitem, "call_function"),
     ],
 )
-def test_unsafe_op_safe_ops(target, op):
-    assert unsafe_op(make_node(target, op)) is None
+def test_unsafe_safe_ops(target, op):
+    assert unsafe(make_node(target, op)) is None
 
 
 def test_op_name_forms():
@@ -697,17 +698,41 @@ def test_trivial_run_between_eager_regions_is_merged():
     def f(x):
         with fxsplit.region("attention"):
             b = x.sin()
-        v = b.view(-1, 1).t()
-        z = torch.zeros(3)
+        v = b.view(-1, 1).t()[:, 1:].unfold(1, 1, 1)
+        z = torch.empty(3)
         n = x.shape[0] * 2
         with fxsplit.region("attn_prep"):
-            c = v.cos() + z + n
+            c = v.cos() + z.fill_(1) + n
         return c + 1
 
     spy, _ = run(f, torch.randn(3), dynamic=True)
     plan = spy.plan
     assert kinds(plan) == ["eager", "captured"]
     assert plan.pieces[1].num_ops == 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: torch.zeros(3),
+        lambda x: torch.ones_like(x),
+        lambda x: x.new_full((3,), 2.0),
+        lambda x: x.t().reshape(-1),  # reshape of a transposed tensor copies
+        lambda x: x.to(torch.float64),
+    ],
+    ids=["zeros", "ones_like", "new_full", "reshape-copy", "to-dtype"],
+)
+def test_fill_and_copy_between_eager_regions_are_kernels_and_captured(make):
+    def f(x):
+        with fxsplit.region("attention"):
+            b = x.sin()
+        z = make(b)
+        with fxsplit.region("attn_prep"):
+            c = b.cos().sum() + z.sum()
+        return c + 1
+
+    spy, _ = run(f, torch.randn(3, 3))
+    assert kinds(spy.plan) == ["eager", "captured", "eager", "captured"]
 
 
 def test_leading_trivial_run_joins_eager_piece():
