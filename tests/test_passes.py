@@ -932,6 +932,7 @@ def test_symint_threaded_to_later_piece():
     x = torch.randn(7, 2)
     compiled = torch.compile(f, backend=spy, dynamic=True, fullgraph=True)
     assert torch.equal(compiled(x), f(x))
+    assert len(spy.backend.plans) == 1
 
 
 def test_multiple_outputs_with_symint_int_and_none():
@@ -952,7 +953,10 @@ def test_graph_output_is_input_and_duplicate():
             a = x.sin()
         return a, y, a, x
 
-    run(f, torch.randn(3), torch.randn(2))
+    x, y = torch.randn(3), torch.randn(2)
+    _, got = run(f, x, y)
+    assert got[1] is y and got[3] is x  # the caller's own tensors, as eager returns them
+    assert got[0] is got[2]
 
 
 def test_no_grad_block_crossing_piece_boundary():
