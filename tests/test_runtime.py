@@ -1,9 +1,11 @@
 """The capture runtime on CPU with the capture emulator (``capture="emulate"``).
 
-Covers issue 3: the field's runner-v1 bug and its fix on the DeepSeek-V4 model, counters, input
-binding, capture-failure fallback, output lifetime, grad mode, reset, ``Backend.capture`` and
+Covers the field's runner-v1 bug and its fix on the DeepSeek-V4 model, counters, input binding,
+capture-failure fallback, output lifetime, grad mode, reset, ``Backend.capture`` and
 ``capture="cuda"`` without a device, plus adversarial small graphs (in-place ops on inputs, views,
-aliasing outputs, SymInt / float / None / int values). Known bugs are ``xfail(strict=True)``.
+aliasing outputs, SymInt / float / None / int values). Every test of a capture feature asserts
+from the counters (``fxsplit.counters``, ``Backend.stats``) that its pieces captured and
+replayed, or that they ran uncaptured where that is the point.
 
 Speed: ``gc.collect`` is stubbed out (counted) in every test. The capture session collects
 garbage before capturing, which costs ~0.3 s per call with torch loaded and changes nothing an
