@@ -8,8 +8,10 @@ Each case ends in one of these outcomes, recorded per case and printed at the en
 
 - ``replayed``: every call gave eager's numbers, left the inputs as eager leaves them, and at
   least one captured piece replayed;
-- ``uncaptured``: eager's numbers, nothing replayed (the op runs in an eager piece: it is marked
-  unsafe, or the piece launches no kernel);
+- ``uncaptured``: eager's numbers, nothing replayed: the op runs in an eager piece (marked
+  unsafe, or after a data-dependent size), or its piece runs uncaptured for a logged reason (the
+  aliasing analysis cannot run on it: a data-dependent input size, or functionalization refusing
+  the op, as for ``polygamma_``);
 - ``CaptureError``: the emulator refused to capture the op (what CUDA capture rejects);
 - ``Dynamo-refused`` (skipped): Dynamo itself refuses the program, by its own exception types
   (a graph break under ``fullgraph``, an unsupported op, fake-tensor propagation failing);
