@@ -11,7 +11,7 @@ from torch.fx import Graph, GraphModule
 
 import fxsplit
 from fxsplit.passes import normalise as normalise_pass
-from fxsplit.passes import split
+from fxsplit.passes import op_facts, split
 from fxsplit.passes.mark import Policy
 from fxsplit.passes.modules import ModuleMatcher, module_path
 from fxsplit.passes.op_facts import unsafe
@@ -233,6 +233,85 @@ def test_unsafe_custom_op_tagged_cudagraph_unsafe():
 )
 def test_unsafe_safe_ops(target, op):
     assert unsafe(make_node(target, op)) is None
+
+
+# --------------------------------------------------------------------------- op_facts
+
+
+def _tagged_overloads(*tags):
+    for name in torch._C._dispatch_get_all_op_names():
+        ns, _, rest = name.partition("::")
+        packet_name, _, overload = rest.partition(".")
+        try:
+            op = getattr(getattr(getattr(torch.ops, ns), packet_name), overload or "default")
+        except (AttributeError, RuntimeError):
+            continue
+        if any(t in op.tags for t in tags):
+            yield op
+
+
+def test_mark_pass_and_emulator_refuse_the_same_tagged_ops():
+    """One source of truth: every overload whose tags refuse capture whatever its arguments is
+    unsafe for the mark pass and refused by the emulator."""
+    tagged = list(
+        _tagged_overloads(
+            torch.Tag.cudagraph_unsafe,
+            torch.Tag.dynamic_output_shape,
+            torch.Tag.data_dependent_output,
+        )
+    )
+    assert len(tagged) >= 20
+    argument_dependent = {
+        torch.ops.aten.index.Tensor,
+        torch.ops.aten.repeat_interleave.Tensor,
+        torch.ops.aten.one_hot.default,
+    }
+    for op in tagged:
+        if op in argument_dependent:
+            assert unsafe(make_node(op)) is None, op
+            continue
+        assert unsafe(make_node(op)) is not None, op
+        assert op_facts.capture_refusal(op, (), {}) is not None, op
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "slice",
+        "unfold",
+        "view_as_real",
+        "split_with_sizes",
+        "view",
+        "t",
+        "expand",
+        "select",
+        "unbind",
+        "diagonal",
+        "as_strided",
+        "detach",
+        "alias",
+        "narrow",
+        "movedim",
+        "real",
+    ],
+)
+def test_views_come_from_the_schemas_alias_info(op):
+    assert op_facts.is_view(make_node(getattr(torch.ops.aten, op)))
+    assert op_facts.is_view(make_node(op, "call_method"))
+
+
+@pytest.mark.parametrize("op", ["clone", "add", "zeros", "index", "add_"])
+def test_kernels_are_not_views(op):
+    assert not op_facts.is_view(make_node(op, "call_method"))
+
+
+def test_allocations_are_the_empty_family_and_fills_are_kernels():
+    for op in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"):
+        assert op_facts.is_allocation(make_node(getattr(torch.ops.aten, op))), op
+    for op in ("zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros"):
+        assert not op_facts.is_allocation(make_node(getattr(torch.ops.aten, op))), op
+    assert torch.ops.aten.empty.memory_format in op_facts.ALLOCATIONS
+    assert torch.ops.aten.zeros.default not in op_facts.ALLOCATIONS
 
 
 def test_op_name_forms():
