@@ -36,6 +36,7 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -290,26 +291,44 @@ def _makes_tensors(op: Any) -> bool:
     )
 
 
-_BY_NAMES: dict[tuple[str, str | None], tuple[bool, bool, bool, bool]] = {}
+@dataclass(frozen=True)
+class _Facts:
+    """What the tags and schemas of an op's overloads say, for an op named without arguments.
+
+    Attributes:
+        refuses_capture: an overload's tags refuse capture whatever its arguments.
+        allocation: every overload that makes tensors is in :data:`ALLOCATIONS`.
+        view: every overload that makes tensors returns views of its arguments.
+        random: an overload is tagged ``nondeterministic_seeded``.
+    """
+
+    refuses_capture: bool
+    allocation: bool
+    view: bool
+    random: bool
 
 
-def _facts(node: Node) -> tuple[bool, bool, bool, bool] | None:
-    """``(unsafe by its tags, allocation, view by its schema, random)`` of the node's op; None
-    when the node calls no op. Cached per op name."""
+_BY_NAMES: dict[tuple[str, str | None], _Facts] = {}
+_NO_OP = _Facts(False, False, False, False)
+
+
+def _facts(node: Node) -> _Facts:
+    """The facts of the op ``node`` calls (all false when it calls none), cached per op
+    name."""
     names = op_names(node)
     if names is None:
-        return None
+        return _NO_OP
     try:
         return _BY_NAMES[names]
     except KeyError:
         pass
     overloads = _overloads(names)
     fresh = [op for op in overloads if _makes_tensors(op)]
-    found = _BY_NAMES[names] = (
-        any(_tag_refuses(op) for op in overloads),
-        bool(fresh) and all(op in ALLOCATIONS for op in fresh),
-        bool(fresh) and all(_returns_views(op) for op in fresh),
-        any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads),
+    found = _BY_NAMES[names] = _Facts(
+        refuses_capture=any(_tag_refuses(op) for op in overloads),
+        allocation=bool(fresh) and all(op in ALLOCATIONS for op in fresh),
+        view=bool(fresh) and all(_returns_views(op) for op in fresh),
+        random=any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads),
     )
     return found
 
@@ -348,21 +367,19 @@ def unsafe(node: Node) -> str | None:
     Decided from the target alone; the mark pass adds the node-level rules (unbacked sizes,
     work on host tensors in a graph on a GPU).
     """
-    facts = _facts(node)
-    if facts is None:
+    if op_names(node) is None:
         return None
     callable_ = _python_callable(node)
     try:
         python_level = callable_ in HOST_READS or callable_ in _SYNC_CALLABLES
     except TypeError:  # an unhashable target
         python_level = False
-    return op_name(node) if facts[0] or python_level else None
+    return op_name(node) if python_level or _facts(node).refuses_capture else None
 
 
 def is_allocation(node: Node) -> bool:
     """Whether ``node`` only allocates (the ``empty`` family, see :data:`ALLOCATIONS`)."""
-    facts = _facts(node)
-    return facts is not None and facts[1]
+    return _facts(node).allocation
 
 
 def is_view(node: Node) -> bool:
@@ -370,8 +387,7 @@ def is_view(node: Node) -> bool:
     aliases an argument, and, where Dynamo's example values are known, the result shares the
     storage of one of the node's tensor arguments (``reshape``, ``contiguous``, ``to`` may
     copy)."""
-    facts = _facts(node)
-    if facts is None or not facts[2]:
+    if not _facts(node).view:
         return False
     value = node.meta.get("example_value")
     if not isinstance(value, torch.Tensor):
@@ -400,8 +416,7 @@ def is_random(node: Node) -> bool:
         return False
     if getattr(node.target, "__module__", None) == "_operator":
         return False
-    facts = _facts(node)
-    return facts is not None and facts[3] and not _evaluating(node)
+    return _facts(node).random and not _evaluating(node)
 
 
 def _evaluating(node: Node) -> bool:
