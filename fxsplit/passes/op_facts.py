@@ -157,6 +157,8 @@ ALLOCATIONS: frozenset = _allocations()
 # --------------------------------------------------------------------------------------------
 
 _BOOL_INDEX_DTYPES = (torch.bool, torch.uint8)
+# ``x[mask] = v``: index_put carries no tag, but CUDA expands a boolean mask with nonzero (a
+# sync), except for the one-element value it turns into masked_fill_.
 _INDEX_PUT_OPS = frozenset(
     op
     for op in (
@@ -202,8 +204,6 @@ def capture_refusal(func: Any, args: tuple, kwargs: dict) -> tuple[str, str] | N
     if kwargs.get("pin_memory"):
         return f"{dispatched_op_name(func)} (pin_memory=True)", PINNED
     if func in _INDEX_PUT_OPS and _has_bool_index(_arg(args, kwargs, 1, "indices", ())):
-        # x[mask] = v with a one-element value becomes masked_fill_ on CUDA (no sync); anything
-        # else expands the mask with nonzero (a sync).
         value = _arg(args, kwargs, 2, "values", None)
         if (
             _arg(args, kwargs, 3, "accumulate", False)
