@@ -33,6 +33,14 @@ if settings is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_collection_finish(session):
+    """Load the hypothesis profile again once every test module is imported: importing
+    ``torch.testing._internal`` (tests/test_opinfo.py) loads PyTorch's own profile (10 random
+    examples), which would otherwise replace this one for every module collected with it."""
+    if settings is not None:
+        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
 @pytest.fixture
 def fresh_capture_state(monkeypatch):
     """Dynamo's caches and fxsplit's counters cleared before and after the test, and
