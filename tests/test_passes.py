@@ -1,4 +1,5 @@
-"""Unit tests of the split passes: ops, modules, normalise, mark, partition, materialise."""
+"""Unit tests of the split passes: ops, op facts, modules, normalise, mark, partition,
+materialise."""
 
 from __future__ import annotations
 
