@@ -33,12 +33,15 @@ if settings is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def pytest_collection_finish(session):
-    """Load the hypothesis profile again once every test module is imported: importing
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """Load this profile again after each test module is imported: importing
     ``torch.testing._internal`` (tests/test_opinfo.py) loads PyTorch's own profile (10 random
-    examples), which would otherwise replace this one for every module collected with it."""
+    examples), and ``@given`` takes the profile loaded when its module is imported."""
+    report = yield
     if settings is not None:
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+    return report
 
 
 @pytest.fixture
