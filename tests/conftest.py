@@ -33,6 +33,17 @@ if settings is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """Load this profile again after each test module is imported: importing
+    ``torch.testing._internal`` (tests/test_opinfo.py) loads PyTorch's own profile (10 random
+    examples), and ``@given`` takes the profile loaded when its module is imported."""
+    report = yield
+    if settings is not None:
+        settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+    return report
+
+
 @pytest.fixture
 def fresh_capture_state(monkeypatch):
     """Dynamo's caches and fxsplit's counters cleared before and after the test, and

@@ -18,6 +18,7 @@ from torch import nn
 import fxsplit
 from fxsplit import counters
 from fxsplit.config import Config
+from tests.replays import assert_replayed
 from tests.warned import warned_at
 
 MID = "bad_mid"
@@ -475,6 +476,7 @@ def test_error_in_a_captured_piece_on_its_capture_step_does_not_disable_capture(
     piece = backend.runtimes[0].pieces[-1]
     assert piece.failed is None
     assert any(e.graph.captured for e in piece.entries.values())
+    assert_replayed(backend)
 
 
 def test_splitting_op_with_an_overload_that_does_not_exist_lists_the_real_ones():

@@ -1,5 +1,7 @@
-"""``fxsplit demo``: its tables read at 80 columns, and a missing transformers skips a section
-instead of failing the run."""
+"""``fxsplit demo``: its tables read at 80 columns, a missing transformers skips a section
+instead of failing the run, bad ``--tp`` and ``--model`` values are answered with the allowed
+ones, and the decode with Inductor pieces stays within tolerance while its compiled pieces
+replay."""
 
 from __future__ import annotations
 
@@ -77,13 +79,16 @@ def test_demo_tp_below_one_is_a_usage_error(capsys):
     assert "--tp 0: needs N >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("fresh_capture_state")
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 def test_demo_decode_with_inductor_pieces_is_within_tolerance(runner, tmp_path, monkeypatch):
     monkeypatch.setenv("FXSPLIT_CACHE_DIR", str(tmp_path))
     out = io.StringIO()
     assert demo._deepseek(Console(file=out, width=80), runner, "inductor")
     assert "NO" not in out.getvalue()
-    assert fxsplit.counters.snapshot()["replays"] > 0
+    snapshot = fxsplit.counters.snapshot()
+    assert snapshot["replays"] > 0
+    assert snapshot["pieces_compiled"] + snapshot["piece_cache_hits"] > 0
 
 
 def test_demo_model_unknown_architecture_exits_2_listing_the_known_ones(capsys):

@@ -105,15 +105,13 @@ def test_a_size_the_group_does_not_divide_is_named(ranks):
         assert "num_heads (query heads) (3)" in errors[1], errors
 
 
-def test_a_hang_fails_fast_and_leaves_no_process():
+def test_a_hang_fails_at_the_timeout_and_leaves_no_process():
+    """How long it takes: ``bench/tooling_time.py``."""
     import multiprocessing
-    import time
 
     from fxsplit.tools.tp_demo import spawn
     from tests import distributed_workers
 
-    start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 5 s"):
         spawn(distributed_workers.hang, 2, timeout_s=5.0)
-    assert time.monotonic() - start < 30
     assert not multiprocessing.active_children()  # both ranks killed and reaped

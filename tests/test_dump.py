@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -309,12 +308,11 @@ class Deep(torch.nn.Module):
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` not installed")
-def test_picture_of_many_pieces_is_quick(tmp_path):
+def test_picture_of_many_pieces_is_drawn(tmp_path):
+    """How long it takes: ``bench/tooling_time.py``."""
     _, [(split, code, _)] = _compile(factory=lambda: (Deep(), (torch.randn(4, 8),)))
     assert len(split.plan.pieces) == 81
-    start = time.perf_counter()
     folder = dump.write_dump(tmp_path, split, code)
-    assert time.perf_counter() - start < 20
     assert (folder / "split.svg").is_file()
     assert "piece_80" in (folder / "report.html").read_text()
 

@@ -3,8 +3,8 @@
 Each test reproduces a way piecewise CUDA-graph capture is known to go wrong in inference engines
 and checks that fxsplit either gets it right or fails loudly. Capture runs in the CPU emulator
 (``capture="emulate"``), which has CUDA-graph semantics: frozen addresses and host values,
-outputs overwritten by the next replay. Known fxsplit bugs are ``xfail(strict=True)`` with the
-reason.
+outputs overwritten by the next replay. Tests of capture assert from the counters that the
+pieces replayed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit import counters
+from tests.replays import assert_replayed
 from tests.warned import warned_at
 
 MID = "field_mid"
@@ -181,6 +182,7 @@ def test_adjacent_eager_regions_make_no_empty_captured_piece(between):
     assert [p.kind for p in plan.pieces] == ["captured", "eager", "captured"]
     assert all(p.num_ops > 0 for p in plan.captured)
     assert plan.pieces[1].regions == {fxsplit.ATTN_PREP, fxsplit.SPARSE_INDEXER, fxsplit.ATTENTION}
+    assert_replayed(backend)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +229,7 @@ def test_python_branch_inside_an_eager_region_flips_correctly():
             x = _data((2, 8), step)
             assert torch.equal(model(x, seq_len), f(x, seq_len)), step
     assert all(fxsplit.SPARSE_INDEXER in p.regions for plan in backend.plans for p in plan.eager)
+    assert_replayed(backend)
 
 
 def test_branch_on_a_tensor_value_graph_breaks_and_stays_correct():
@@ -248,6 +251,7 @@ def test_branch_on_a_tensor_value_graph_breaks_and_stays_correct():
             x = _data((2, 4), step)
             assert torch.equal(model(x, seq_lens), f(x, seq_lens)), step
     assert len(backend.plans) >= 2
+    assert_replayed(backend)
 
 
 # ---------------------------------------------------------------------------------------------

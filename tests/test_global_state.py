@@ -57,6 +57,7 @@ def test_autocast_block_spanning_pieces_still_re_entered():
             x, w = torch.randn(4, 8), torch.randn(8, 8)
             got, expected = model(x, w), f(x, w)
             assert got.dtype == expected.dtype and torch.equal(got, expected), step
+    assert counters.snapshot()["replays"] > 0
 
 
 def test_sdpa_kernel_keeps_what_it_governs_eager_in_one_piece():
@@ -77,3 +78,4 @@ def test_sdpa_kernel_keeps_what_it_governs_eager_in_one_piece():
     assert len(governed) == 1 and governed[0].kind == "eager", plan.format()
     assert "state:_sdpa_kernel" in governed[0].reasons
     assert [p.kind for p in plan.pieces].count("captured") >= 1
+    assert counters.snapshot()["replays"] > 0

@@ -171,20 +171,43 @@ def test_bad_compile_pieces_value_is_rejected():
         fxsplit.Backend(compile_pieces="triton")
 
 
-def test_compile_sizes_get_their_own_compile(cache_root):
+def _counting(fn, calls: list, label: str):
+    def run(*args):
+        calls.append(label)
+        return fn(*args)
+
+    return run
+
+
+def _count_artifact_calls(forward: inductor.InductorPiece) -> list[str]:
+    """Make ``forward``'s artifacts record each call: ``"symbolic"`` or the size compiled for."""
+    calls: list[str] = []
+    forward.artifact = _counting(forward.artifact, calls, "symbolic")
+    forward.sized = {n: _counting(a, calls, str(n)) for n, a in forward.sized.items()}
+    return calls
+
+
+def test_compile_sizes_get_their_own_compile_used_on_calls_of_that_size(cache_root):
     model = Stack(2)
     backend = fxsplit.Backend(
         compile_pieces="inductor", compile_sizes=[4], cache_dir=str(cache_root), capture="emulate"
     )
     compiled = torch.compile(model, backend=backend, dynamic=True)
+    sizes = (3, 4, 3, 4, 4, 5)  # after the first: warm-up, capture and replays of 4 and 3
     with torch.no_grad():
-        for n in (3, 4, 3, 4, 4, 5):
+        x = torch.randn(sizes[0], 8)
+        torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)  # compiles
+        pieces = backend.compiled[0].materialised.pieces
+        sized = [p.forward for p in pieces if isinstance(p.forward, inductor.InductorPiece)]
+        assert sized and all(set(f.sized) == {4} for f in sized)
+        assert all(f.sized[4] is not f.artifact for f in sized)
+        calls = [_count_artifact_calls(f) for f in sized]
+        for n in sizes[1:]:
             x = torch.randn(n, 8)
             torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)
-    pieces = backend.compiled[0].materialised.pieces
-    forward = pieces[0].forward
-    assert isinstance(forward, inductor.InductorPiece)
-    assert set(forward.sized) == {4} and forward.sized[4] is not forward.artifact
+    assert counters.snapshot()["replays"] > 0
+    expected = ["4" if n == 4 else "symbolic" for n in sizes[1:]]  # replays call them too
+    assert calls == [expected] * len(sized)
 
 
 def test_bad_compile_sizes_are_rejected():
@@ -233,6 +256,12 @@ def test_compile_sizes_never_freeze_another_host_value(cache_root):
         for batch, n in [(3, 2), (4, 3), (4, 5), (5, 2), (4, 11)]:
             x = torch.randn(batch, 8)
             torch.testing.assert_close(compiled(x, n), model(x, n), **TOLERANCE)
+    (forward,) = (
+        p.forward
+        for p in backend.compiled[0].materialised.pieces
+        if isinstance(p.forward, inductor.InductorPiece)
+    )
+    assert not forward.sized  # the piece reads n besides the token count: symbolic only
 
 
 def _scaler(c):
@@ -267,6 +296,13 @@ def test_functions_of_one_name_but_other_objects_never_share_an_artifact(cache_r
         for batch in (3, 4):
             x = torch.randn(batch, 8)
             torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)
+    records = backend.compiled[0].compiled_pieces
+    assert [(r.pieces, r.outcome) for r in records] == [
+        (("piece_0",), "compiled"),
+        (("piece_2",), "compiled"),
+    ]
+    pieces = backend.compiled[0].materialised.pieces
+    assert pieces[0].forward.artifact is not pieces[2].forward.artifact
 
 
 def test_an_artifact_compiled_under_autocast_is_not_reused_without_it(cache_root):
@@ -280,6 +316,9 @@ def test_an_artifact_compiled_under_autocast_is_not_reused_without_it(cache_root
             assert compiled(x).dtype == torch.bfloat16
         out = compiled(x)
     assert out.dtype == torch.float32
+    records = [r for split in backend.compiled for r in split.compiled_pieces]
+    assert len(records) == 2 and all(r.outcome in ("compiled", "disk", "memory") for r in records)
+    assert records[0].key != records[1].key
     torch.testing.assert_close(out, model(x), **TOLERANCE)
 
 

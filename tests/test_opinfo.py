@@ -1,16 +1,34 @@
 """PyTorch's OpInfo database through emulated capture: every op with float32 CPU samples (its
-first sample), out of place and, where it has one, in place on an input, compiled with fxsplit,
-called on fresh input values each time (warm-up, capture, replays). Each call must give eager's
-numbers and leave the inputs as eager leaves them, or raise CaptureError; never a wrong number.
+first sample), out of place and, where it has one, in place on an input, compiled with fxsplit
+(``fullgraph=True``, ``capture="emulate"``, ``on_capture_error="raise"``) and called on fresh
+input values each time (warm-up, capture, two replays).
+
+Each case ends in one of these outcomes, recorded per case and printed at the end of the module
+(``-s`` shows it):
+
+- ``replayed``: every call gave eager's numbers, left the inputs as eager leaves them, and at
+  least one captured piece replayed;
+- ``uncaptured``: eager's numbers, nothing replayed: the op runs in an eager piece (marked
+  unsafe, or after a data-dependent size), or its piece runs uncaptured for a logged reason (the
+  aliasing analysis cannot run on it: a data-dependent input size, or functionalization refusing
+  the op, as for ``polygamma_``);
+- ``CaptureError``: the emulator refused to capture the op (what CUDA capture rejects);
+- ``Dynamo-refused`` (skipped): Dynamo itself refuses the program, by its own exception types
+  (a graph break under ``fullgraph``, an unsupported op, fake-tensor propagation failing);
+- ``Dynamo-wrong`` (skipped): Dynamo with its own ``"eager"`` backend already differs from eager,
+  so fxsplit is not what changed the numbers;
+- ``wrong`` and ``crash`` fail the test: a number differs from eager (and from Dynamo's own
+  backend), or fxsplit raised (``BackendCompilerFailed``, ``BindingError``, an error inside a
+  piece, ...).
 
 "Eager's numbers" is bit for bit except where the emulator itself changes the computation: it
 records through a TorchDispatchMode, under which composite ops that branch on
 ``isTensorSubclassLike`` take another path (``linalg.svdvals`` then computes singular vectors
 too, and rounds differently in the last bit). Those outputs must still agree to 1e-4 relative;
-a stale or misbound input differs by far more. ``-s`` prints the ops that were not bit-equal.
+a stale or misbound input differs by far more.
 
 CI runs every ``OPINFO_STRIDE``-th op (``FXSPLIT_OPINFO_STRIDE``, default 8); ``1`` runs all:
-``FXSPLIT_OPINFO_STRIDE=1 python3 -m pytest tests/test_opinfo.py -q``.
+``FXSPLIT_OPINFO_STRIDE=1 python3 -m pytest tests/test_opinfo.py -q -s``.
 """
 
 from __future__ import annotations
@@ -22,6 +40,7 @@ import pytest
 import torch
 
 import fxsplit
+from fxsplit.passes import op_facts
 
 common = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 
@@ -33,6 +52,15 @@ CASES = [
     for variant in ("op", "inplace")
     if variant == "op" or op.inplace_variant is not None
 ]
+
+
+def _allocates(op) -> bool:
+    """Whether the OpInfo entry is an aten op that only allocates (``empty``, ``new_empty``,
+    ...): its values are whatever the memory held."""
+    packet = getattr(torch.ops.aten, op.name, None)
+    return isinstance(packet, torch._ops.OpOverloadPacket) and any(
+        getattr(packet, overload) in op_facts.ALLOCATIONS for overload in packet.overloads()
+    )
 
 
 def _first_sample(op):
@@ -102,30 +130,57 @@ def _same(a, b, exact: bool = True) -> bool:
 
 
 NOT_BIT_EQUAL: list[str] = []
+OUTCOMES: dict[str, str] = {}
+
+# Dynamo's own refusals: a graph break under fullgraph, an op or construct it does not support,
+# fake-tensor propagation failing on the sample.
+DYNAMO_REFUSES = (
+    torch._dynamo.exc.Unsupported,
+    torch._dynamo.exc.UserError,
+    torch._dynamo.exc.TorchRuntimeError,
+    torch._dynamo.exc.UncapturedHigherOrderOpError,
+    torch._dynamo.exc.InternalTorchDynamoError,
+)
+
+def _case_id(op, variant: str) -> str:
+    return f"{op.name}.{op.variant_test_name}-{variant}"
+
+
+def _params():
+    for op, variant in CASES:
+        yield pytest.param(op, variant, id=_case_id(op, variant))
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _report():
     yield
-    print(f"\nOpInfo sweep: {len(CASES)} cases; not bit-equal (within 1e-4): {NOT_BIT_EQUAL}")
+    by_outcome: dict[str, list[str]] = {}
+    for case, outcome in sorted(OUTCOMES.items()):
+        by_outcome.setdefault(outcome, []).append(case)
+    print(f"\nOpInfo sweep: {len(CASES)} cases")
+    for outcome, cases in sorted(by_outcome.items()):
+        shown = "" if outcome == "replayed" else f": {cases}"
+        print(f"  {outcome}: {len(cases)}{shown}")
+    print(f"  not bit-equal (within 1e-4): {NOT_BIT_EQUAL}")
 
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
-@pytest.mark.parametrize(
-    ("op", "variant"), CASES, ids=[f"{op.name}.{op.variant_test_name}-{v}" for op, v in CASES]
-)
+@pytest.mark.parametrize(("op", "variant"), list(_params()))
 def test_op_through_emulated_capture_gives_eager_numbers_or_capture_error(op, variant):
+    case = _case_id(op, variant)
     sample = _first_sample(op)
     if sample is None:
+        OUTCOMES[case] = "no sample"
         pytest.skip("no float32 CPU sample")
     fn = op.op if variant == "op" else op.inplace_variant
 
     def model(x, args, kwargs):
         return fn(x, *args, **kwargs)
 
-    compiled = torch.compile(model, backend=fxsplit.Backend(capture="emulate"))
+    backend = fxsplit.Backend(capture="emulate", on_capture_error="raise")
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(4):
@@ -137,24 +192,54 @@ def test_op_through_emulated_capture_gives_eager_numbers_or_capture_error(op, va
                 torch.manual_seed(step)
                 again = model(*_clone_tree(mine))
             except Exception:
+                OUTCOMES[case] = "eager raises"
                 pytest.skip("eager raises on this sample")
-            if not _same(expected, again):  # uninitialised memory (empty*): values unspecified
+            if _allocates(op) or not _same(expected, again):  # values unspecified
                 expected = _metadata(expected)
             try:
                 torch.manual_seed(step)
                 got = compiled(*mine)
-            except fxsplit.CaptureError:
+            except fxsplit.CaptureError as error:
+                OUTCOMES[case] = "CaptureError"
+                assert step == 1, f"CaptureError on call {step}, not the capture step: {error}"
                 return
-            except Exception as error:  # Dynamo or the op itself refusing is not a wrong number
-                if isinstance(error, AssertionError):
-                    raise
-                pytest.skip(f"does not compile: {type(error).__name__}")
+            except DYNAMO_REFUSES as error:
+                OUTCOMES[case] = "Dynamo-refused"
+                pytest.skip(f"Dynamo refuses: {type(error).__name__}: {str(error)[:300]}")
+            except Exception as error:
+                OUTCOMES[case] = "crash"
+                raise AssertionError(f"{case} step {step}: fxsplit raised {error!r}") from error
             if isinstance(expected, _Meta):
                 got = _metadata(got)
             if not (_same(expected, got) and _same(inputs, mine)):
-                NOT_BIT_EQUAL.append(f"{op.name}.{op.variant_test_name}-{variant}")
+                NOT_BIT_EQUAL.append(case)
+            if not (_same(expected, got, exact=False) and _same(inputs, mine, exact=False)):
+                if _dynamo_differs(model, sample, step, isinstance(expected, _Meta)):
+                    OUTCOMES[case] = "Dynamo-wrong"
+                    pytest.skip("Dynamo's own eager backend differs from eager too")
+                OUTCOMES[case] = "wrong"
             assert _same(expected, got, exact=False), f"{op.name} step {step}: output differs"
             assert _same(inputs, mine, exact=False), f"{op.name} step {step}: inputs differ"
+    replayed = fxsplit.counters.snapshot()["replays"] > 0
+    OUTCOMES[case] = "replayed" if replayed else "uncaptured"
+
+
+def _dynamo_differs(model, sample, step: int, metadata_only: bool) -> bool:
+    """Whether ``torch.compile(model, backend="eager")`` also differs from eager on call
+    ``step``'s inputs (the same fresh values the fxsplit call got)."""
+    torch._dynamo.reset()
+    reference = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        for i in range(step + 1):
+            inputs = _fresh_like((sample.input, sample.args, sample.kwargs), 100 * i)
+            mine = _clone_tree(inputs)
+            torch.manual_seed(i)
+            expected = model(*inputs)
+            torch.manual_seed(i)
+            got = reference(*mine)
+    if metadata_only:
+        expected, got = _metadata(expected), _metadata(got)
+    return not (_same(expected, got, exact=False) and _same(inputs, mine, exact=False))
 
 
 def _clone_tree(value):

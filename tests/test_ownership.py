@@ -18,6 +18,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit import counters
+from fxsplit.runtime.binding import RUNNER
 from tests.warned import warned_at
 
 D = 4
@@ -206,24 +207,32 @@ def test_v1_strict_binding_same_tensor_every_step():
     def f(x):
         return torch.ops.fxsplit_own.fresh(x.sin()) * 2
 
-    cf, _ = _compile(f, "fresh", runner="v1", input_binding="strict")
+    cf, backend = _compile(f, "fresh", runner="v1", input_binding="strict")
     x = _data(3, D)
     with torch.no_grad():
         for step in range(5):
             x.copy_(_data(3, D, seed=step))
             assert torch.equal(cf(x), f(x)), step
     assert _replays() > 0
+    first = backend.runtimes[0].pieces[0]
+    (spec,) = (s for s in first.specs if s.kind == RUNNER)
+    assert first.stats.copies_by_input[spec.name] == 0  # bound by address, never copied
 
 
 def test_signed_zero_host_value_is_its_own_capture_key():
     def f(h, shift: float):
         return torch.ops.fxsplit_own.fresh(h) / shift
 
-    cf, _ = _compile(f, "fresh", dynamic=True)
+    cf, backend = _compile(f, "fresh", dynamic=True)
     h = torch.ones(3, D)
     with torch.no_grad():
         for shift in (0.0, -0.0, 0.0, -0.0, -0.0, 0.0):
             assert torch.equal(cf(h, shift), f(h, shift)), shift
+    (keys,) = (
+        k for k in backend.stats["graph_0"].values() if any(c["captures"] for c in k.values())
+    )
+    captured = [c for c in keys.values() if c.get("captures")]
+    assert len(captured) == 2 and all(c.get("replays") for c in captured), keys
 
 
 def test_bool_and_int_host_values_are_different_keys():
@@ -432,12 +441,17 @@ def test_runner_input_aliasing_a_written_module_buffer_keeps_eager_numbers():
             return view.sum(0) * 2 + k.sin().sum()
 
     model, ref = M(), M()
-    cf = torch.compile(model, backend=fxsplit.Backend(capture="emulate", eager_regions=[]))
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
+    cf = torch.compile(model, backend=backend)
     with torch.no_grad():
         for step in range(5):
             k = _data(3, D, seed=step)
             assert torch.equal(cf(k, model.cache[:2]), ref(k, ref.cache[:2])), step
             assert torch.equal(model.cache, ref.cache)
+    # the view of the buffer is bound by address: captured and replayed, nothing refused
+    (keys,) = backend.stats["graph_0"].values()
+    assert "refused" not in keys
+    assert sum(c.get("replays", 0) for c in keys.values()) == 3
 
 
 def test_unchanged_runner_input_is_not_copied_again():
@@ -607,6 +621,7 @@ def test_model_write_to_a_handed_back_output_reaches_it():
             x = _data(7, D, seed=20 + step)
             assert torch.equal(cf(x, held_g[0, :3]), f(x, held_e[0, :3])), step
             assert torch.equal(held_g, held_e), step
+    assert _replays() > 0
 
 
 def test_expanded_input_replays_bit_exactly():
@@ -658,6 +673,7 @@ def test_clone_outputs_keeps_the_conj_bit():
             x = torch.view_as_complex(_data(3, 2, seed=step))
             for a, b in zip(cf(x), f(x), strict=True):
                 assert torch.equal(a, b) and a.is_conj() == b.is_conj(), step
+    assert _replays() > 0
 
 
 def test_buffers_swapped_in_forward_keep_their_values():
@@ -682,6 +698,7 @@ def test_buffers_swapped_in_forward_keep_their_values():
             assert torch.equal(cf(x), ref(x)), step
             assert torch.equal(model.prev, ref.prev) and torch.equal(model.cur, ref.cur), step
     assert warned_at(seen) == [("test_ownership.py", "assert torch.equal(cf(x), ref(x)), step")]
+    assert _replays() > 0
 
 
 def test_storage_swapped_under_an_unchanged_version_counter_is_copied():
@@ -694,6 +711,7 @@ def test_storage_swapped_under_an_unchanged_version_counter_is_copied():
         for step in range(5):
             x.data = _data(4, 3, seed=step)  # new address, version counter untouched
             assert torch.equal(cf(x), f(x)), step
+    assert _replays() > 0
 
 
 @torch.compiler.disable
@@ -737,6 +755,7 @@ def test_eval_dropout_returns_its_input_so_writes_through_it_reach_the_caller():
             expected, got = f(xe), cf(xc)
             assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
             assert torch.equal(xe, xc), step
+    assert _replays() > 0
 
 
 @pytest.mark.parametrize("bit", ["conj", "neg"])
@@ -774,6 +793,7 @@ def test_earlier_output_handed_back_as_a_tensor_and_a_view_of_it():
         expected, got = f(he, he[1:]), cf(hc, hc[1:])
         assert torch.equal(expected[1], got[1]) and torch.equal(he, hc)
     assert any("refused" in keys for keys in backend.stats["graph_0"].values())
+    assert _replays() > 0
 
 
 def test_verify_reads_aliased_inputs_as_the_replay_did():
@@ -790,6 +810,7 @@ def test_verify_reads_aliased_inputs_as_the_replay_did():
             expected = f(ref, ref[0])
             assert torch.equal(cf(a, a[0]), expected), step
             assert torch.equal(a, ref), step
+    assert _replays() > 0
 
 
 def test_in_place_unsqueeze_of_an_intermediate_keeps_its_shape():
@@ -804,6 +825,7 @@ def test_in_place_unsqueeze_of_an_intermediate_keeps_its_shape():
             x = _data(3, D, seed=step)
             for a, b in zip(cf(x), f(x), strict=True):
                 assert a.shape == b.shape and torch.equal(a, b), step
+    assert _replays() > 0
 
 
 NORMS = {
@@ -878,6 +900,7 @@ def test_v2_frame_called_by_eager_model_code_reads_the_models_fresh_values(captu
         for _ in range(4):
             x.add_(1)
             torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    assert _replays() > 0 if capture == "emulate" else _replays() == 0
 
 
 def test_piece_after_a_data_dependent_size_is_analysed_at_capture_and_replays():

@@ -1,4 +1,5 @@
-"""Unit tests of the split passes: ops, modules, normalise, mark, partition, materialise."""
+"""Unit tests of the split passes: ops, op facts, modules, normalise, mark, partition,
+materialise."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from torch.fx import Graph, GraphModule
 
 import fxsplit
 from fxsplit.passes import normalise as normalise_pass
-from fxsplit.passes import split
+from fxsplit.passes import op_facts, split
 from fxsplit.passes.mark import Policy
 from fxsplit.passes.modules import ModuleMatcher, module_path
-from fxsplit.passes.ops import OpMatcher, op_name, parse_op_name, unsafe_op
+from fxsplit.passes.op_facts import unsafe
+from fxsplit.passes.ops import OpMatcher, op_name, parse_op_name
 from fxsplit.runners import Runner
 
 # --------------------------------------------------------------------------- custom ops
@@ -193,7 +195,7 @@ def test_op_matcher_ignores_non_ops():
     assert matcher.match(make_node(operator.getitem)) is None
 
 
-# --------------------------------------------------------------------------- ops.unsafe_op
+# --------------------------------------------------------------------------- op_facts.unsafe
 
 
 @pytest.mark.parametrize(
@@ -207,15 +209,15 @@ def test_op_matcher_ignores_non_ops():
         ("tolist", "call_method", "aten::tolist"),
     ],
 )
-def test_unsafe_op_data_dependent_and_host_reads(target, op, want):
-    assert unsafe_op(make_node(target, op)) == want
+def test_unsafe_data_dependent_and_host_reads(target, op, want):
+    assert unsafe(make_node(target, op)) == want
 
 
-def test_unsafe_op_custom_op_tagged_cudagraph_unsafe():
-    assert unsafe_op(make_node(torch.ops.fxsplit_test_passes.unsafe_clone.default)) == (
+def test_unsafe_custom_op_tagged_cudagraph_unsafe():
+    assert unsafe(make_node(torch.ops.fxsplit_test_passes.unsafe_clone.default)) == (
         "fxsplit_test_passes::unsafe_clone"
     )
-    assert unsafe_op(make_node(torch.ops.fxsplit_test_passes.unsafe_clone)) == (
+    assert unsafe(make_node(torch.ops.fxsplit_test_passes.unsafe_clone)) == (
         "fxsplit_test_passes::unsafe_clone"
     )
 
@@ -230,8 +232,87 @@ def test_unsafe_op_custom_op_tagged_cudagraph_unsafe():
         (operator.getitem, "call_function"),
     ],
 )
-def test_unsafe_op_safe_ops(target, op):
-    assert unsafe_op(make_node(target, op)) is None
+def test_unsafe_safe_ops(target, op):
+    assert unsafe(make_node(target, op)) is None
+
+
+# --------------------------------------------------------------------------- op_facts
+
+
+def _tagged_overloads(*tags):
+    for name in torch._C._dispatch_get_all_op_names():
+        ns, _, rest = name.partition("::")
+        packet_name, _, overload = rest.partition(".")
+        try:
+            op = getattr(getattr(getattr(torch.ops, ns), packet_name), overload or "default")
+        except (AttributeError, RuntimeError):
+            continue
+        if any(t in op.tags for t in tags):
+            yield op
+
+
+def test_mark_pass_and_emulator_refuse_the_same_tagged_ops():
+    """One source of truth: every overload whose tags refuse capture whatever its arguments is
+    unsafe for the mark pass and refused by the emulator."""
+    tagged = list(
+        _tagged_overloads(
+            torch.Tag.cudagraph_unsafe,
+            torch.Tag.dynamic_output_shape,
+            torch.Tag.data_dependent_output,
+        )
+    )
+    assert len(tagged) >= 20
+    argument_dependent = {
+        torch.ops.aten.index.Tensor,
+        torch.ops.aten.repeat_interleave.Tensor,
+        torch.ops.aten.one_hot.default,
+    }
+    for op in tagged:
+        if op in argument_dependent:
+            assert unsafe(make_node(op)) is None, op
+            continue
+        assert unsafe(make_node(op)) is not None, op
+        assert op_facts.capture_refusal(op, (), {}) is not None, op
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "slice",
+        "unfold",
+        "view_as_real",
+        "split_with_sizes",
+        "view",
+        "t",
+        "expand",
+        "select",
+        "unbind",
+        "diagonal",
+        "as_strided",
+        "detach",
+        "alias",
+        "narrow",
+        "movedim",
+        "real",
+    ],
+)
+def test_views_come_from_the_schemas_alias_info(op):
+    assert op_facts.is_view(make_node(getattr(torch.ops.aten, op)))
+    assert op_facts.is_view(make_node(op, "call_method"))
+
+
+@pytest.mark.parametrize("op", ["clone", "add", "zeros", "index", "add_"])
+def test_kernels_are_not_views(op):
+    assert not op_facts.is_view(make_node(op, "call_method"))
+
+
+def test_allocations_are_the_empty_family_and_fills_are_kernels():
+    for op in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"):
+        assert op_facts.is_allocation(make_node(getattr(torch.ops.aten, op))), op
+    for op in ("zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros"):
+        assert not op_facts.is_allocation(make_node(getattr(torch.ops.aten, op))), op
+    assert torch.ops.aten.empty.memory_format in op_facts.ALLOCATIONS
+    assert torch.ops.aten.zeros.default not in op_facts.ALLOCATIONS
 
 
 def test_op_name_forms():
@@ -697,17 +778,41 @@ def test_trivial_run_between_eager_regions_is_merged():
     def f(x):
         with fxsplit.region("attention"):
             b = x.sin()
-        v = b.view(-1, 1).t()
-        z = torch.zeros(3)
+        v = b.view(-1, 1).t()[:, 1:].unfold(1, 1, 1)
+        z = torch.empty(3)
         n = x.shape[0] * 2
         with fxsplit.region("attn_prep"):
-            c = v.cos() + z + n
+            c = v.cos() + z.fill_(1) + n
         return c + 1
 
     spy, _ = run(f, torch.randn(3), dynamic=True)
     plan = spy.plan
     assert kinds(plan) == ["eager", "captured"]
     assert plan.pieces[1].num_ops == 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: torch.zeros(3),
+        lambda x: torch.ones_like(x),
+        lambda x: x.new_full((3,), 2.0),
+        lambda x: x.t().reshape(-1),  # reshape of a transposed tensor copies
+        lambda x: x.to(torch.float64),
+    ],
+    ids=["zeros", "ones_like", "new_full", "reshape-copy", "to-dtype"],
+)
+def test_fill_and_copy_between_eager_regions_are_kernels_and_captured(make):
+    def f(x):
+        with fxsplit.region("attention"):
+            b = x.sin()
+        z = make(b)
+        with fxsplit.region("attn_prep"):
+            c = b.cos().sum() + z.sum()
+        return c + 1
+
+    spy, _ = run(f, torch.randn(3, 3))
+    assert kinds(spy.plan) == ["eager", "captured", "eager", "captured"]
 
 
 def test_leading_trivial_run_joins_eager_piece():
@@ -907,6 +1012,7 @@ def test_symint_threaded_to_later_piece():
     x = torch.randn(7, 2)
     compiled = torch.compile(f, backend=spy, dynamic=True, fullgraph=True)
     assert torch.equal(compiled(x), f(x))
+    assert len(spy.backend.plans) == 1
 
 
 def test_multiple_outputs_with_symint_int_and_none():
@@ -927,7 +1033,10 @@ def test_graph_output_is_input_and_duplicate():
             a = x.sin()
         return a, y, a, x
 
-    run(f, torch.randn(3), torch.randn(2))
+    x, y = torch.randn(3), torch.randn(2)
+    _, got = run(f, x, y)
+    assert got[1] is y and got[3] is x  # the caller's own tensors, as eager returns them
+    assert got[0] is got[2]
 
 
 def test_no_grad_block_crossing_piece_boundary():

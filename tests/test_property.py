@@ -20,14 +20,15 @@ returns (``torch.equal``), stores what eager stores, and leaves its inputs exact
 them, on every call, and whatever the caller kept still holds its step's values at the end:
 under ``"emulate"`` the model is called several times with new data of one batch size and of a
 second one, so warm-up, capture and replays all happen, into one memory pool that reuses freed
-memory as the CUDA caching allocator does. Runner v2 gets persistent input buffers refilled in
-place (its contract); the others get fresh tensors. Loud outcomes are allowed where they are the
-contract: under ``on_capture_error="raise"`` a capture refusal (the same case under
-``"fallback"`` must count one), and ``StaleOutputError`` for an output fed back into a step
-whose first graph does not read it (the case must then pass with ``clone_outputs``).
+memory as the CUDA caching allocator does, and a program with captured pieces must have
+replayed (``fxsplit.counters``). Runner v2 gets persistent input buffers refilled in place (its
+contract); the others get fresh tensors. Loud outcomes are allowed where they are the contract:
+under ``on_capture_error="raise"`` a capture refusal (the same case under ``"fallback"`` must
+count one), and ``StaleOutputError`` for an output fed back into a step whose first graph does
+not read it (the case must then pass with ``clone_outputs``).
 
 Profiles (``tests/conftest.py``, selected by ``HYPOTHESIS_PROFILE``): ``ci`` (default, 200
-examples, derandomized) and ``long`` (3000 random examples):
+examples, derandomized) and ``long`` (10,000 random examples):
 ``HYPOTHESIS_PROFILE=long python3 -m pytest tests/test_property.py --hypothesis-show-statistics``.
 Every failure hypothesis found is pinned at the end of this file as a named regression test with
 its program.
@@ -54,8 +55,10 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import fxsplit
+from fxsplit import counters
 from fxsplit.runners import Runner
 from fxsplit.runtime.captured import _Refused
+from tests.replays import replays
 
 D = 4  # feature width of every register; the batch dim varies
 CUSTOM_REGION = "prop_local"  # a region no built-in runner runs eagerly
@@ -737,7 +740,8 @@ def _capture_refusal(error: BaseException) -> bool:
 
 
 def run_case(case: Case) -> fxsplit.Backend:
-    """Compile ``case`` and compare every call against eager; returns the backend.
+    """Compile ``case`` and compare every call against eager; under ``"emulate"``, a program
+    with captured pieces must have replayed. Returns the backend.
 
     Under ``on_capture_error="raise"`` a capture refusal may end the run: the same case under
     ``"fallback"`` must then have counted a refusal. A fed-back output that the model reads only
@@ -768,6 +772,7 @@ def run_case(case: Case) -> fxsplit.Backend:
 
 def _run_case(case: Case) -> fxsplit.Backend:
     torch._dynamo.reset()
+    counters.reset()
     model = Interp(case.program, case.outputs, case.host_outputs, seed=case.seed % 7)
     options = {
         "runner": RUNNERS[case.runner],
@@ -863,6 +868,8 @@ def _run_case(case: Case) -> fxsplit.Backend:
             assert _same(e, g, exact), f"a value kept from step {step} changed"
     unexpected = _unexpected_refusals(backend)
     assert not unexpected, f"pieces ran uncaptured for unexpected reasons: {unexpected}"
+    if case.capture == "emulate" and any(plan.captured for plan in backend.plans):
+        assert counters.snapshot()["replays"] > 0, "captured pieces, but nothing replayed"
     return backend
 
 
@@ -878,22 +885,32 @@ def test_compiled_equals_eager(case):
     run_case(case)
 
 
-@settings(max_examples=int(os.environ.get("FXSPLIT_INDUCTOR_EXAMPLES", 8)), derandomize=True)
-@given(case=cases(), sized=st.booleans())
-def test_inductor_pieces_equal_eager(case, sized, tmp_path_factory):
+def test_inductor_pieces_equal_eager(tmp_path_factory):
     """A sample of the property with captured pieces compiled by Inductor (its C++ compile
     costs seconds per distinct piece: 8 programs in CI, FXSPLIT_INDUCTOR_EXAMPLES for more);
     half of them with ``compile_sizes`` (a compile per token count must not freeze the int
-    argument or another size)."""
+    argument or another size). Pieces must really be compiled: the sample fails when no piece
+    of any program got an Inductor artifact (and, as every program, when one with captured
+    pieces replayed nothing under ``"emulate"``)."""
     folder = str(tmp_path_factory.getbasetemp() / "inductor_property")
-    compiled = {**case.options, "compile_pieces": "inductor", "cache_dir": folder}
-    if sized:
-        compiled["compile_sizes"] = [case.sizes[0]]
-    # Inductor draws random numbers its own way unless told to call eager's ops
-    with torch._inductor.config.patch(fallback_random=True):
-        backend = run_case(dataclasses.replace(case, options=compiled))
-    outcomes = {r.outcome for split in backend.compiled for r in split.compiled_pieces or ()}
-    event(f"piece outcomes: {sorted(outcomes)}, compile_sizes: {sized}")
+    compiled_programs = []
+
+    @settings(max_examples=int(os.environ.get("FXSPLIT_INDUCTOR_EXAMPLES", 8)), derandomize=True)
+    @given(case=cases(), sized=st.booleans())
+    def check(case, sized):
+        options = {**case.options, "compile_pieces": "inductor", "cache_dir": folder}
+        if sized:
+            options["compile_sizes"] = [case.sizes[0]]
+        # Inductor draws random numbers its own way unless told to call eager's ops
+        with torch._inductor.config.patch(fallback_random=True):
+            backend = run_case(dataclasses.replace(case, options=options))
+        outcomes = [r.outcome for split in backend.compiled for r in split.compiled_pieces or ()]
+        event(f"piece outcomes: {sorted(set(outcomes))}, compile_sizes: {sized}")
+        if any(o != "eager" for o in outcomes):
+            compiled_programs.append(case)
+
+    check()
+    assert compiled_programs, "no piece of any program was compiled by Inductor"
 
 
 def test_feature_frequencies_at_least_ten_percent():
@@ -1012,7 +1029,9 @@ def test_regression_v2_graph_after_a_graph_break_reads_a_fresh_tensor():
         ("graph_break",),
         ("unary", "tanh", 2),
     )
-    run_case(Case(program, runner="v2"))
+    backend = run_case(Case(program, runner="v2"))
+    after_break = backend.runtimes[-1].pieces[0]
+    assert after_break.stats.copies_by_input and replays(backend)[f"graph_1/{after_break.name}"]
 
 
 def test_regression_v2_local_of_a_resumed_frame_is_not_a_runner_input():

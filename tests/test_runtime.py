@@ -1,9 +1,11 @@
 """The capture runtime on CPU with the capture emulator (``capture="emulate"``).
 
-Covers issue 3: the field's runner-v1 bug and its fix on the DeepSeek-V4 model, counters, input
-binding, capture-failure fallback, output lifetime, grad mode, reset, ``Backend.capture`` and
+Covers the field's runner-v1 bug and its fix on the DeepSeek-V4 model, counters, input binding,
+capture-failure fallback, output lifetime, grad mode, reset, ``Backend.capture`` and
 ``capture="cuda"`` without a device, plus adversarial small graphs (in-place ops on inputs, views,
-aliasing outputs, SymInt / float / None / int values). Known bugs are ``xfail(strict=True)``.
+aliasing outputs, SymInt / float / None / int values). Every test of a capture feature asserts
+from the counters (``fxsplit.counters``, ``Backend.stats``) that its pieces captured and
+replayed, or that they ran uncaptured where that is the point.
 
 Speed: ``gc.collect`` is stubbed out (counted) in every test. The capture session collects
 garbage before capturing, which costs ~0.3 s per call with torch loaded and changes nothing an
@@ -28,6 +30,7 @@ from fxsplit.models import deepseek_v4 as ds
 from fxsplit.runtime.binding import RUNNER, BindingError
 from fxsplit.runtime.captured import VerifyError
 from fxsplit.runtime.emulator import CaptureError
+from tests.replays import assert_replayed
 from tests.warned import warned_at
 
 _real_collect = gc.collect
@@ -433,49 +436,26 @@ def test_persistent_runner_input_bound_without_copy_and_fresh_tensor_refused():
         assert len(backend.runtimes) == 1
 
 
-def test_inplace_mutation_of_runner_input_copied_back_after_replay():
-    def f(x):
-        x.add_(1)
-        return x * 2
-
-    model, _ = _compile(f)
-    with torch.no_grad():
-        model(torch.zeros(3))  # warmup
-        model(torch.zeros(3))  # capture
-        for i in range(3):
-            x = torch.full((3,), float(i))
-            out = model(x)
-            assert torch.equal(x, torch.full((3,), i + 1.0)), i
-            assert torch.equal(out, torch.full((3,), 2 * (i + 1.0))), i
-    assert counters.snapshot()["replays"] == 3
+def _write_input(x):
+    x.add_(1)
+    return x * 2
 
 
-def test_view_of_runner_input_mutated_in_captured_piece_copied_back_after_replay():
-    def f(x):
-        x[:, 0].mul_(2)
-        return x.sum(1)
+def _write_input_view(x):
+    x[:, 0].mul_(2)
+    return x.sum(1)
 
+
+@pytest.mark.parametrize("f", [_write_input, _write_input_view], ids=["input", "view"])
+def test_write_into_a_runner_input_reaches_the_caller_after_capture_and_every_replay(f):
     model, backend = _compile(f)
     with torch.no_grad():
-        model(torch.zeros(3, 2))
-        model(torch.zeros(3, 2))
-        for i in range(3):
-            x, ref = torch.arange(6.0).reshape(3, 2) + i, torch.arange(6.0).reshape(3, 2) + i
-            assert torch.equal(model(x), f(ref)) and torch.equal(x, ref), i
+        for step in range(5):  # warmup, capture, three replays
+            x, ref = torch.arange(6.0).reshape(3, 2) + step, torch.arange(6.0).reshape(3, 2) + step
+            assert torch.equal(model(x), f(ref)) and torch.equal(x, ref), step
     assert backend.runtimes[0].pieces[0].specs[0].written
-
-
-def test_inplace_mutation_of_runner_input_reaches_caller_on_capture_step():
-    def f(x):
-        x.add_(1)
-        return x * 2
-
-    model, _ = _compile(f)
-    with torch.no_grad():
-        model(torch.zeros(3))  # warmup
-        x = torch.zeros(3)
-        model(x)  # capture
-    assert torch.equal(x, torch.ones(3))
+    (totals,) = _piece_totals(backend).values()
+    assert totals["captures"] == 1 and totals["replays"] == 3
 
 
 def test_eager_piece_reads_runner_input_mutated_by_captured_piece_on_capture_step():
@@ -485,11 +465,12 @@ def test_eager_piece_reads_runner_input_mutated_by_captured_piece_on_capture_ste
             y = x.sin()
         return y + x
 
-    model, _ = _compile(f, eager_regions=[MID])
+    model, backend = _compile(f, eager_regions=[MID])
     with torch.no_grad():
         for i in range(3):
             x, ref = torch.full((3,), float(i)), torch.full((3,), float(i))
             assert torch.equal(model(x), f(ref)), i
+    assert_replayed(backend)
 
 
 def test_load_state_dict_assign_recaptures_with_new_weights(caplog):
@@ -569,11 +550,13 @@ class _CountingSync(nn.Module):
 
 def test_capture_failure_fallback_runs_side_effects_once():
     module = _CountingSync()
-    model, _ = _compile(module)
+    model, backend = _compile(module)
     with torch.no_grad(), pytest.warns(fxsplit.FxsplitWarning, match="item"):
         for _ in range(3):
             model(torch.ones(2))
     assert module.count.item() == 3
+    (totals,) = _piece_totals(backend).values()
+    assert totals["captures"] == 0 and totals["uncaptured_runs"] == 3  # the capture failed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -844,9 +827,10 @@ def test_buffer_updated_in_captured_piece_once_per_step():
             return x + self.count
 
     module = Stepper()
-    model, _ = _compile(module, eager_regions=[MID])
+    model, backend = _compile(module, eager_regions=[MID])
     with torch.no_grad():
         outs = [model(torch.ones(2)).clone() for _ in range(5)]
+    assert_replayed(backend, at_least=3)
     assert module.count.item() == 5
     assert [o[0].item() for o in outs] == [2.0, 3.0, 4.0, 5.0, 6.0]
 
@@ -885,29 +869,41 @@ def test_output_view_of_runner_input_aliases_the_callers_tensor():
     def f(x):
         return x.view(-1), x + 1
 
-    model, _ = _compile(f)
+    model, backend = _compile(f)
     with torch.no_grad():
         for i in range(3):
             x = torch.full((2, 2), float(i))
             view, _ = model(x)
             x.add_(10)
             assert torch.equal(view, x.view(-1)), i
+    assert_replayed(backend)
 
 
 def test_overlapping_runner_inputs_keep_their_aliasing():
+    """Runner inputs sharing storage, one written in place and one copied: each such call runs
+    uncaptured, counted and warned once; calls without the overlap capture and replay."""
+
     def f(a, b):
         a.add_(1)
         return b * 2
 
     model, backend = _compile(f)
-    with torch.no_grad(), pytest.warns(fxsplit.FxsplitWarning, match="share storage"):
+    with torch.no_grad(), pytest.warns(fxsplit.FxsplitWarning, match="share storage") as seen:
         for i in range(4):
             base, ref = torch.arange(4.0) + i, torch.arange(4.0) + i
             got, expected = model(base[:3], base[1:]), f(ref[:3], ref[1:])
             assert torch.equal(got, expected), i
             assert torch.equal(base, ref), i
+        (totals,) = _piece_totals(backend).values()
+        assert totals["captures"] == 0 and totals["uncaptured_runs"] == 4
+        for i in range(4):  # same shapes, storages apart
+            a, b = torch.arange(4.0)[:3] + i, torch.arange(4.0)[1:] + i
+            a_ref = a.clone()
+            assert torch.equal(model(a, b), f(a_ref, b.clone())) and torch.equal(a, a_ref), i
+    assert len([w for w in seen if "share storage" in str(w.message)]) == 1
     ((reason, calls),) = backend.stats["graph_0"]["piece_0"]["refused"].items()
     assert "share storage" in reason and calls == 3
+    assert_replayed(backend)
 
 
 def test_output_fed_back_as_next_input_without_mutation():
@@ -928,12 +924,13 @@ def test_output_fed_back_into_a_piece_that_mutates_its_input():
         x.mul_(2)
         return x + 1
 
-    model, _ = _compile(f)
+    model, backend = _compile(f)
     expected, got = torch.ones(3), torch.ones(3)
     with torch.no_grad():
         for step in range(5):
             expected, got = f(expected), model(got)
             assert torch.equal(got, expected), step
+    assert_replayed(backend)
 
 
 def test_previous_output_passed_back_is_read_before_a_replay_overwrites_it():
@@ -943,7 +940,7 @@ def test_previous_output_passed_back_is_read_before_a_replay_overwrites_it():
             b = x.cos()
         return a, a + b
 
-    model, _ = _compile(f, eager_regions=[MID])
+    model, backend = _compile(f, eager_regions=[MID])
     prev_e, prev_c = torch.ones(3), torch.ones(3)
     with torch.no_grad():
         for step in range(5):
@@ -951,6 +948,7 @@ def test_previous_output_passed_back_is_read_before_a_replay_overwrites_it():
             prev_e, expected = f(prev_e, y)
             prev_c, got = model(prev_c, y)
             assert torch.equal(got, expected), step
+    assert_replayed(backend)
 
 
 def test_verify_compares_random_pieces_with_the_replays_numbers():
@@ -1003,10 +1001,13 @@ def test_strict_binding_with_capture_off_takes_fed_back_outputs():
         return x.sin() * 2
 
     model = torch.compile(f, backend=fxsplit.Backend(capture="off", runner="v2", eager_regions=[]))
-    x = torch.randn(3, 4)
+    x = expected = torch.randn(3, 4)
     with torch.no_grad():
-        for _ in range(5):
-            x = model(x)
+        for step in range(5):  # each step's input is the previous step's output: another address
+            x, expected = model(x), f(expected)
+            assert torch.equal(x, expected), step
+        with pytest.raises(fxsplit.BindingError):  # a fresh tensor fxsplit never produced
+            model(torch.randn(3, 4))
 
 
 def test_weights_reloaded_every_other_step_warn_of_a_recapture_storm():

@@ -114,6 +114,7 @@ def test_v1_prep_captured_with_trust_gives_wrong_output():
     assert _prep_pieces(backend)
     assert _close(got[0], expected[0]) and _close(got[1], expected[1])
     assert not all(_close(a, b) for a, b in zip(got[2:], expected[2:], strict=True))
+    assert counters.snapshot()["replays"] > 0  # the garbage comes from replays
 
 
 def test_v1_prep_captured_strict_refuses_fresh_metadata():
@@ -131,6 +132,7 @@ def test_v1_prep_captured_strict_refuses_fresh_metadata():
     assert any(s.name in message and s.source in message for s in specs), message
     addresses = set(re.findall(r"0x[0-9a-f]+", message))
     assert len(addresses) == 2 and {f"0x{t.data_ptr():x}" for t in step} & addresses
+    assert counters.snapshot()["captures"] > 0 and counters.snapshot()["replays"] == 0
 
 
 def test_v2_persistent_buffers_prep_captured_matches_eager():

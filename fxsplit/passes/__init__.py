@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from fxsplit.passes import aliasing, mark, materialise, normalise, ops, partition
+from fxsplit.passes import aliasing, mark, materialise, normalise, op_facts, partition
 from fxsplit.plan import Piece, SplitPlan
 
 __all__ = ["Split", "split"]
@@ -72,7 +72,7 @@ def split(
             inputs=module.input_names,
             outputs=module.output_names,
             devices=_devices(part.nodes, (names[n] for n in module.input_names)),
-            random=any(ops.is_random(n) for n in part.nodes),
+            random=any(op_facts.is_random(n) for n in part.nodes),
             same_as=module.same_as if module.same_as != module.name else None,
             **({} if fact is None else fact.describe(module.input_names, module.output_names)),
         )

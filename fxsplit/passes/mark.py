@@ -19,60 +19,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from fxsplit.passes import global_state
+from fxsplit.passes import global_state, op_facts
 from fxsplit.passes.modules import ModuleMatcher
 from fxsplit.passes.normalise import is_multi_output_getitem, waited_collective
-from fxsplit.passes.ops import OpMatcher, op_name, op_names, unsafe_op
+from fxsplit.passes.ops import OpMatcher, op_name
 from fxsplit.passes.preset_match import PresetMatcher
 from fxsplit.presets import Preset
 from fxsplit.regions import node_regions
 from fxsplit.runners import Runner
 
-_ALLOCATIONS = frozenset(
-    {
-        "empty",
-        "empty_like",
-        "empty_strided",
-        "new_empty",
-        "new_empty_strided",
-        "zeros",
-        "zeros_like",
-        "new_zeros",
-        "ones",
-        "ones_like",
-        "new_ones",
-        "full",
-        "full_like",
-        "new_full",
-    }
-)
-_VIEWS = frozenset(
-    {
-        "view",
-        "view_as",
-        "reshape",
-        "flatten",
-        "unsqueeze",
-        "squeeze",
-        "permute",
-        "transpose",
-        "t",
-        "expand",
-        "expand_as",
-        "narrow",
-        "select",
-        "split",
-        "chunk",
-        "unbind",
-        "unflatten",
-        "as_strided",
-        "detach",
-        "alias",
-        "movedim",
-        "swapaxes",
-        "diagonal",
-    }
-)
 _HOST_VALUES = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool, torch.Size)
 
 
@@ -164,14 +119,9 @@ def is_host_input(node: Node) -> bool:
 
 def _trivial_target(node: Node) -> bool:
     """Whether the node's target launches no kernel whatever its values (state switches,
-    allocations, views); decided per target and cached by :func:`mark`."""
-    if global_state.is_state_node(node):
-        return True
-    names = op_names(node)
-    if names is None or not names[0].startswith("aten::"):
-        return False
-    short = names[0][6:]
-    return short in _ALLOCATIONS or short in _VIEWS
+    allocations of the ``empty`` family); decided per target and cached by :func:`mark`. Views
+    are decided per node (:func:`fxsplit.passes.op_facts.is_view`)."""
+    return global_state.is_state_node(node) or op_facts.is_allocation(node)
 
 
 _SKIPPED = frozenset({"placeholder", "get_attr", "output"})
@@ -250,9 +200,9 @@ def mark(graph: Graph, policy: Policy) -> Marks:
                 raise TypeError  # named per argument kinds (ops.operator_op), not per target
             unsafe, trivial = by_target[key]
         except KeyError:
-            unsafe, trivial = by_target[key] = (unsafe_op(node), _trivial_target(node))
+            unsafe, trivial = by_target[key] = (op_facts.unsafe(node), _trivial_target(node))
         except TypeError:  # an unhashable target, or a Python operator
-            unsafe, trivial = unsafe_op(node), _trivial_target(node)
+            unsafe, trivial = op_facts.unsafe(node), _trivial_target(node)
         if unsafe is None and meta.get("unbacked_bindings"):
             unsafe = op_name(node) or str(target)
         if unsafe is None and on_accelerator and _host_work(node, value):
@@ -266,6 +216,7 @@ def mark(graph: Graph, policy: Policy) -> Marks:
         if (
             trivial
             or isinstance(value, _HOST_VALUES)
+            or op_facts.is_view(node)
             or (target is getitem and not isinstance(value, torch.Tensor))
         ):
             marks.trivial.add(node)

@@ -1,4 +1,4 @@
-"""Op names of FX nodes, and the two op-level rules: configured splitting ops and unsafe ops.
+"""Op names of FX nodes and of dispatched ops, and the configured splitting ops they match.
 
 Names take the dispatcher's form ``"ns::op"`` or ``"ns::op.overload"``. A Dynamo graph holds the
 same aten op in three shapes: an OpOverload/OpOverloadPacket target (``torch.ops.aten.topk``), a
@@ -8,7 +8,6 @@ torch-level function (``torch.topk``, ``torch._C._nn.linear``) and a Tensor meth
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Iterable
 
@@ -16,27 +15,6 @@ import torch
 from torch.fx import Node
 
 _OP_NAME = re.compile(r"^([A-Za-z_]\w*)::([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?$")
-
-# aten ops whose output shape or value depends on tensor data, so a graph cannot be captured
-# around them. aten::index carries the dynamic_output_shape tag only for boolean masks, and
-# repeat_interleave/one_hot only without a static size: those show up as unbacked SymInts instead.
-_DATA_DEPENDENT = frozenset(
-    {
-        "nonzero",
-        "argwhere",
-        "unique",
-        "_unique",
-        "_unique2",
-        "unique_consecutive",
-        "unique_dim",
-        "masked_select",
-        "bincount",
-        "item",
-        "_local_scalar_dense",
-    }
-)
-# Tensor methods and torch functions that read device memory on the host.
-_HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "synchronize"})
 
 
 def parse_op_name(name: str) -> tuple[str, str, str | None]:
@@ -192,6 +170,17 @@ def _dispatch_first(node: Node) -> str | None:
     return seen[0] if seen else None
 
 
+def dispatched_op_name(func: object) -> str:
+    """The name of an op as the dispatcher runs it: ``"ns::op"`` or ``"ns::op.overload"``
+    (``"higher_order::cond"`` for a higher-order op, ``str(func)`` for anything else)."""
+    if isinstance(func, torch._ops.HigherOrderOperator):
+        return f"higher_order::{func.name()}"
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return str(func)
+    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else str(schema.name)
+
+
 def op_name(node: Node) -> str | None:
     """The node's op name, ``"ns::op"`` or ``"ns::op.overload"``; None if it is not an op."""
     names = op_names(node)
@@ -262,85 +251,3 @@ class OpMatcher:
         ]
         self.used.update(hits)
         return hits[0] if hits else None
-
-
-def unsafe_op(node: Node) -> str | None:
-    """The op name if ``node`` can never be captured in a CUDA/HIP graph, else None.
-
-    Unsafe: ops tagged ``torch.Tag.cudagraph_unsafe``; ops with data-dependent output shapes or
-    values (nonzero, unique, masked_select, item, ...) and host reads of device memory
-    (``.item()``, ``.tolist()``, ``.cpu()``, synchronize). Decided from the target alone; the mark
-    pass adds the node-level rules (unbacked SymInts, device-to-host copies).
-    """
-    names = op_names(node)
-    if names is None:
-        return None
-    base, overload = names
-    target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        target = getattr(target, overload or "default", None)
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.cudagraph_unsafe in target.tags:
-        return op_name(node)
-    short = base.partition("::")[2]
-    if base.startswith("aten::") and (short in _DATA_DEPENDENT or short in _HOST_READS):
-        return op_name(node)
-    return None
-
-
-_RANDOM: dict[tuple[str, object], bool] = {}
-
-
-def is_random(node: Node) -> bool:
-    """Whether the node's op draws random numbers: an overload of its op carries
-    ``torch.Tag.nondeterministic_seeded`` (``rand_like``, ``dropout``, ``bernoulli``, ...).
-    Python operators (``x * y``, ``x[i]``) never do. Cached per target."""
-    if node.op not in ("call_function", "call_method"):
-        return False
-    if getattr(node.target, "__module__", None) == "_operator":
-        return False
-    key = (node.op, node.target)
-    try:
-        random = _RANDOM[key]
-    except KeyError:
-        random = _RANDOM[key] = _random_op(op_names(node))
-    except TypeError:  # an unhashable target
-        random = _random_op(op_names(node))
-    return random and not _evaluating(node)
-
-
-def _evaluating(node: Node) -> bool:
-    """A seeded op told by its schema's ``train`` / ``training`` argument not to draw (dropout
-    in eval mode returns its input)."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        target = getattr(target, "default", None)
-    schema = getattr(target, "_schema", None)
-    if schema is not None:
-        for i, arg in enumerate(schema.arguments):
-            if arg.name in ("train", "training"):
-                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                return value is False
-    # torch.nn.functional.dropout and friends: the Python signature names it ``training``
-    try:
-        bound = inspect.signature(target).bind(*node.args, **node.kwargs)
-    except (TypeError, ValueError):  # a builtin without a signature, a call_method name
-        return node.kwargs.get("training", node.kwargs.get("train")) is False
-    bound.apply_defaults()
-    arguments = bound.arguments
-    return arguments.get("training", arguments.get("train")) is False
-
-
-def _random_op(names: tuple[str, str | None] | None) -> bool:
-    if names is None:
-        return False
-    ns, _, op = names[0].partition("::")
-    try:
-        packet = getattr(getattr(torch.ops, ns), op)
-    except (AttributeError, RuntimeError):
-        return False
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return False
-    return any(
-        torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags
-        for overload in packet.overloads()
-    )

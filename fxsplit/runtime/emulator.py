@@ -34,6 +34,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxsplit.collectives import is_collective
+from fxsplit.passes import op_facts
+from fxsplit.passes.ops import dispatched_op_name
 from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.storage import storage_ptr
 
@@ -60,149 +62,15 @@ class CaptureError(RuntimeError):
 # What capture rejects
 # --------------------------------------------------------------------------------------------
 
-_SYNC = (
-    "it reads a device value on the host (a device-to-host copy that synchronises the capturing "
-    "stream); keep the value on the device or compute it before capture"
-)
-_BRANCH = (
-    "Python control flow on a tensor value needs the value on the host (a device-to-host copy and "
-    "stream sync); use torch.where / masking, or decide on the host before capture"
-)
-_DYNAMIC = (
-    "its output shape depends on tensor values, so the host must read the data back (a sync) and "
-    "the shape could not be frozen in a graph anyway; use a static-shape formulation"
-)
-_PRINT = "formatting a tensor reads its values on the host (a device-to-host copy and sync)"
-_PINNED = "pinned host memory cannot be allocated while a stream is capturing"
-_STREAM_SYNC = "synchronising a stream or device is not permitted while a stream is capturing"
-_CG_UNSAFE = "the op is tagged torch.Tag.cudagraph_unsafe"
-
-_T = torch.Tensor
-# Host reads that never reach the dispatcher for CPU tensors (TorchFunctionMode level).
-_HOST_READS: dict[Any, tuple[str, str]] = {
-    _T.item: ("aten::_local_scalar_dense (.item())", _SYNC),
-    _T.tolist: ("Tensor.tolist()", _SYNC),
-    _T.numpy: ("Tensor.numpy()", _SYNC),
-    _T.__array__: ("Tensor.__array__ (numpy conversion)", _SYNC),
-    _T.cpu: ("Tensor.cpu() (device-to-host copy)", _SYNC),
-    _T.pin_memory: ("Tensor.pin_memory()", _PINNED),
-    _T.__bool__: ("Tensor.__bool__ (Python branching on a tensor value, e.g. `if t:`)", _BRANCH),
-    _T.__int__: ("Tensor.__int__ (int(t) on a tensor value)", _SYNC),
-    _T.__float__: ("Tensor.__float__ (float(t) on a tensor value)", _SYNC),
-    _T.__complex__: ("Tensor.__complex__ (complex(t) on a tensor value)", _SYNC),
-    _T.__index__: ("Tensor.__index__ (a tensor value used as a Python index)", _SYNC),
-    _T.__contains__: ("Tensor.__contains__ (`v in t`)", _BRANCH),
-    _T.__repr__: ("Tensor.__repr__ (printing a tensor)", _PRINT),
-    _T.__format__: ("Tensor.__format__ (formatting a tensor)", _PRINT),
-    _T.equal: ("aten::equal (Tensor.equal / torch.equal)", _SYNC),
-    torch.equal: ("aten::equal (Tensor.equal / torch.equal)", _SYNC),
-    _T.allclose: ("Tensor.allclose / torch.allclose", _SYNC),
-    torch.allclose: ("Tensor.allclose / torch.allclose", _SYNC),
-    _T.is_nonzero: ("aten::is_nonzero (Tensor.is_nonzero)", _SYNC),
-    torch.is_nonzero: ("aten::is_nonzero (Tensor.is_nonzero)", _SYNC),
-}
-
-# Ops rejected whatever their arguments (dispatch level).
-_ILLEGAL_OPS: dict[Any, tuple[str, str]] = {
-    aten._local_scalar_dense.default: ("aten::_local_scalar_dense (.item())", _SYNC),
-    aten.item.default: ("aten::_local_scalar_dense (.item())", _SYNC),
-    aten.equal.default: ("aten::equal", _SYNC),
-    aten.is_nonzero.default: ("aten::is_nonzero", _SYNC),
-    aten._pin_memory.default: ("aten::_pin_memory", _PINNED),
-}
-if hasattr(aten, "pin_memory"):
-    _ILLEGAL_OPS[aten.pin_memory.default] = ("aten::pin_memory", _PINNED)
-
-_BOOL_INDEX_DTYPES = (torch.bool, torch.uint8)
-_INDEX_PUT_OPS = frozenset(
-    op
-    for op in (
-        aten.index_put_.default,
-        aten.index_put.default,
-        getattr(getattr(aten, "_index_put_impl_", None), "default", None),
-    )
-    if op is not None
-)
-
-# Pure allocations: replay skips them, so the memory keeps its previous contents (as on CUDA).
-_ALLOC_OPS = frozenset(
-    getattr(getattr(aten, pkt), ov)
-    for pkt, ov in (
-        ("empty", "memory_format"),
-        ("empty_like", "default"),
-        ("empty_strided", "default"),
-        ("new_empty", "default"),
-        ("new_empty_strided", "default"),
-        ("empty_permuted", "default"),
-    )
-    if hasattr(aten, pkt) and hasattr(getattr(aten, pkt), ov)
-)
+# What capture rejects, and which ops only allocate, is one set of facts for the mark pass and
+# the emulator: fxsplit.passes.op_facts.
+_illegal_op = op_facts.capture_refusal
+_ALLOC_OPS = op_facts.ALLOCATIONS
+_op_name = dispatched_op_name
 
 # ``torch.tensor(data)`` reaches dispatch as lift_fresh of a constant made outside it. Replay
 # restores the constant (its value is frozen at capture, like any host value).
 _CONSTANT_OPS = frozenset({aten.lift_fresh.default})
-
-
-def _op_name(func: Any) -> str:
-    if isinstance(func, torch._ops.HigherOrderOperator):
-        return f"higher_order::{func.name()}"
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return str(func)
-    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else str(schema.name)
-
-
-def _has_bool_index(indices: Any) -> bool:
-    return any(
-        isinstance(i, torch.Tensor) and i.dtype in _BOOL_INDEX_DTYPES for i in (indices or ())
-    )
-
-
-def _illegal_op(func: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
-    """Why CUDA capture would reject this aten-level call, or None when it is capturable."""
-    hit = _ILLEGAL_OPS.get(func)
-    if hit is not None:
-        return hit
-    if kwargs.get("pin_memory"):
-        return f"{_op_name(func)} (pin_memory=True)", _PINNED
-    if func in _INDEX_PUT_OPS and len(args) > 1 and _has_bool_index(args[1]):
-        # x[mask] = v with a one-element host value becomes masked_fill_ on CUDA (no sync);
-        # anything else expands the mask with nonzero (a sync).
-        value = args[2] if len(args) > 2 else kwargs.get("values")
-        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-        if accumulate or not isinstance(value, torch.Tensor) or value.numel() != 1:
-            return f"{_op_name(func)} (boolean-mask assignment, x[mask] = v)", _DYNAMIC
-        return None
-    tags = getattr(func, "tags", ())
-    if torch.Tag.dynamic_output_shape in tags:
-        if func is aten.index.Tensor:
-            if len(args) > 1 and _has_bool_index(args[1]):
-                return "aten::index.Tensor (boolean-mask indexing, x[mask])", _DYNAMIC
-            return None
-        if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
-            return None
-        if func is aten.one_hot.default:
-            num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
-            if num_classes != -1:
-                return None
-        return _op_name(func), _DYNAMIC
-    if torch.Tag.cudagraph_unsafe in tags:
-        return _op_name(func), _CG_UNSAFE
-    return None
-
-
-def _host_target(args: tuple, kwargs: dict) -> bool:
-    """``Tensor.to(...)`` naming the host by string ("cpu"): a device-to-host copy on CUDA.
-
-    A ``torch.device`` object is not treated as the host: in the emulator every tensor is on the
-    CPU, so ``t.to(x.device)`` (the usual device-generic idiom) must stay legal.
-    """
-    for cand in (*args[1:], kwargs.get("device")):
-        if isinstance(cand, str):
-            with contextlib.suppress(RuntimeError, ValueError):
-                if torch.device(cand).type == "cpu":
-                    return True
-    return False
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,14 +362,9 @@ class _HostReadGuard(TorchFunctionMode):
             with self:
                 keys = torch._ops._compute_keyset(args, kwargs, func.non_fallthrough_keys)
                 return func.dispatch(keys.highestPriorityTypeId(), *args, **kwargs)
-        try:
-            hit = _HOST_READS.get(func)
-        except TypeError:  # unhashable callable
-            hit = None
+        hit = op_facts.host_read(func, args, kwargs)
         if hit is not None:
             self.graph._fail(*hit)
-        if func is _T.to and _host_target(args, kwargs):
-            self.graph._fail('Tensor.to("cpu") (device-to-host copy)', _SYNC)
         if func is F.one_hot:
             try:
                 return _one_hot(*args, **kwargs)
@@ -517,20 +380,9 @@ def _one_hot(t: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     does not, so the emulator must not report that sync.
     """
     if num_classes < 0:
-        raise CaptureError("aten::one_hot (num_classes=-1)", _DYNAMIC)
+        raise CaptureError("aten::one_hot (num_classes=-1)", op_facts.DYNAMIC_SHAPE)
     out = torch.zeros(*t.shape, num_classes, dtype=torch.long, device=t.device)
     return out.scatter_(-1, t.unsqueeze(-1).long(), 1)
-
-
-def _sync_targets() -> list[tuple[Any, str, str]]:
-    targets = [
-        (torch.cuda, "synchronize", "torch.cuda.synchronize()"),
-        (torch.cpu, "synchronize", "torch.cpu.synchronize()"),
-        (getattr(torch, "accelerator", None), "synchronize", "torch.accelerator.synchronize()"),
-        (getattr(torch.cuda, "Stream", None), "synchronize", "torch.cuda.Stream.synchronize()"),
-        (getattr(torch.cuda, "Event", None), "synchronize", "torch.cuda.Event.synchronize()"),
-    ]
-    return [(obj, attr, label) for obj, attr, label in targets if hasattr(obj, attr)]
 
 
 _patch_lock = threading.Lock()
@@ -544,7 +396,7 @@ def _refusing(original: Callable, label: str) -> Callable:
         graph = getattr(_tls, "active", None)
         if graph is None:  # another thread, or no capture: behave as before
             return original(*args, **kwargs)
-        graph._fail(label, _STREAM_SYNC)
+        graph._fail(label, op_facts.STREAM_SYNC)
 
     return refuse
 
@@ -559,7 +411,7 @@ def _patched_syncs() -> Iterator[None]:
     global _patch_depth
     with _patch_lock:
         if _patch_depth == 0:
-            for obj, attr, label in _sync_targets():
+            for obj, attr, label in op_facts.sync_entry_points():
                 own = attr in vars(obj)
                 _patch_saved.append((obj, attr, own, vars(obj).get(attr)))
                 setattr(obj, attr, _refusing(getattr(obj, attr), label))

@@ -1,0 +1,441 @@
+"""What PyTorch says about an op: whether CUDA/HIP graph capture accepts it, whether it only
+allocates, whether its result is a view, whether it draws random numbers.
+
+One module answers for every reader: the mark pass asks about FX nodes (:func:`unsafe`,
+:func:`is_allocation`, :func:`is_view`, :func:`is_random`), the CPU capture emulator about
+calls as the dispatcher or a torch-function mode sees them (:func:`capture_refusal`,
+:func:`host_read`, :data:`ALLOCATIONS`, :func:`sync_entry_points`).
+
+The answers come from the op's tags and schema:
+
+- capture: ``torch.Tag.cudagraph_unsafe``, ``dynamic_output_shape`` (the output shape depends on
+  tensor values: a sync, and no shape to freeze) and ``data_dependent_output`` (a host value read
+  from a tensor: ``item``, ``equal``, ``allclose``);
+- views: every overload's returns alias an argument without writing it (``Tensor(a)`` in the
+  schema); on an FX node with Dynamo's example values, the result must also share its
+  argument's storage (``reshape``, ``contiguous`` and ``to`` alias only when no copy is needed);
+- random numbers: ``torch.Tag.nondeterministic_seeded``.
+
+Three facts have no tag, and their lists live here, each with the reason:
+
+- host reads that never reach the dispatcher for CPU tensors (``Tensor.tolist``,
+  ``Tensor.numpy``, ``if t:``, printing, ...) and the ``synchronize`` entry points, which are
+  not torch functions at all (:data:`HOST_READS`, :func:`sync_entry_points`);
+- pinned-memory allocation (``pin_memory`` ops and the ``pin_memory=True`` argument);
+- allocations that launch no kernel: the ``empty`` family, whose results hold unspecified values
+  (``zeros``, ``ones`` and ``full`` launch a fill kernel; they are not allocations here).
+
+Ops whose ``dynamic_output_shape`` tag speaks for the worst case only (``x[mask]`` versus
+``x[idx]``, ``repeat_interleave`` without ``output_size``, ``one_hot`` without
+``num_classes``) are decided from the call's arguments at dispatch; on an FX node, Dynamo's fake
+run decides them (an unbacked size, which the mark pass reads).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from fxsplit.passes.ops import dispatched_op_name, op_name, op_names
+
+__all__ = [
+    "ALLOCATIONS",
+    "HOST_READS",
+    "capture_refusal",
+    "host_read",
+    "is_allocation",
+    "is_random",
+    "is_view",
+    "sync_entry_points",
+    "unsafe",
+]
+
+aten = torch.ops.aten
+
+# Why CUDA capture rejects a call (the ``reason`` of fxsplit.CaptureError).
+SYNC = (
+    "it reads a device value on the host (a device-to-host copy that synchronises the capturing "
+    "stream); keep the value on the device or compute it before capture"
+)
+BRANCH = (
+    "Python control flow on a tensor value needs the value on the host (a device-to-host copy and "
+    "stream sync); use torch.where / masking, or decide on the host before capture"
+)
+DYNAMIC_SHAPE = (
+    "its output shape depends on tensor values, so the host must read the data back (a sync) and "
+    "the shape could not be frozen in a graph anyway; use a static-shape formulation"
+)
+PRINT = "formatting a tensor reads its values on the host (a device-to-host copy and sync)"
+PINNED = "pinned host memory cannot be allocated while a stream is capturing"
+STREAM_SYNC = "synchronising a stream or device is not permitted while a stream is capturing"
+TAGGED_UNSAFE = "the op is tagged torch.Tag.cudagraph_unsafe"
+
+# --------------------------------------------------------------------------------------------
+# Host reads below the dispatcher's reach, and other facts without a tag
+# --------------------------------------------------------------------------------------------
+
+_T = torch.Tensor
+# Python-level reads of a tensor's values: on a CPU tensor they never reach the dispatcher, so
+# no tag can speak for them; a torch-function mode (the emulator) and the FX node's target (the
+# mark pass: ``x.tolist()`` is a ``call_method`` node) both see these callables.
+HOST_READS: dict[Any, tuple[str, str]] = {
+    _T.item: ("aten::_local_scalar_dense (.item())", SYNC),
+    _T.tolist: ("Tensor.tolist()", SYNC),
+    _T.numpy: ("Tensor.numpy()", SYNC),
+    _T.__array__: ("Tensor.__array__ (numpy conversion)", SYNC),
+    _T.cpu: ("Tensor.cpu() (device-to-host copy)", SYNC),
+    _T.pin_memory: ("Tensor.pin_memory()", PINNED),
+    _T.__bool__: ("Tensor.__bool__ (Python branching on a tensor value, e.g. `if t:`)", BRANCH),
+    _T.__int__: ("Tensor.__int__ (int(t) on a tensor value)", SYNC),
+    _T.__float__: ("Tensor.__float__ (float(t) on a tensor value)", SYNC),
+    _T.__complex__: ("Tensor.__complex__ (complex(t) on a tensor value)", SYNC),
+    _T.__index__: ("Tensor.__index__ (a tensor value used as a Python index)", SYNC),
+    _T.__contains__: ("Tensor.__contains__ (`v in t`)", BRANCH),
+    _T.__repr__: ("Tensor.__repr__ (printing a tensor)", PRINT),
+    _T.__format__: ("Tensor.__format__ (formatting a tensor)", PRINT),
+    _T.equal: ("aten::equal (Tensor.equal / torch.equal)", SYNC),
+    torch.equal: ("aten::equal (Tensor.equal / torch.equal)", SYNC),
+    _T.allclose: ("Tensor.allclose / torch.allclose", SYNC),
+    torch.allclose: ("Tensor.allclose / torch.allclose", SYNC),
+    _T.is_nonzero: ("aten::is_nonzero (Tensor.is_nonzero)", SYNC),
+    torch.is_nonzero: ("aten::is_nonzero (Tensor.is_nonzero)", SYNC),
+}
+
+# Device and stream synchronisation: methods of modules and classes, not torch functions.
+_SYNC_ENTRY_POINTS = (
+    (torch.cuda, "synchronize", "torch.cuda.synchronize()"),
+    (torch.cpu, "synchronize", "torch.cpu.synchronize()"),
+    (getattr(torch, "accelerator", None), "synchronize", "torch.accelerator.synchronize()"),
+    (getattr(torch.cuda, "Stream", None), "synchronize", "torch.cuda.Stream.synchronize()"),
+    (getattr(torch.cuda, "Event", None), "synchronize", "torch.cuda.Event.synchronize()"),
+)
+
+
+def sync_entry_points() -> list[tuple[Any, str, str]]:
+    """``(owner, attribute, label)`` of every ``synchronize`` this torch has, for the emulator to
+    patch while it captures (no mode sees them)."""
+    return [(obj, attr, label) for obj, attr, label in _SYNC_ENTRY_POINTS if hasattr(obj, attr)]
+
+
+# Read at import, before any capture patches them.
+_SYNC_CALLABLES = frozenset(getattr(obj, attr) for obj, attr, _ in sync_entry_points())
+
+# Pinned host memory has no tag; its ops are named for it.
+_PINNING = frozenset(
+    getattr(aten, name).default for name in ("_pin_memory", "pin_memory") if hasattr(aten, name)
+)
+
+# The empty family: native_functions.yaml names every factory whose result holds unspecified
+# values ``empty*`` (``new_empty*``, ``_empty_*quantized``); no tag marks them.
+_EMPTY = re.compile(r"^aten::(?:new_|_)?empty(?:_\w+)?(?:\.\w+)?$")
+
+
+def _allocations() -> frozenset:
+    found = set()
+    for name in torch._C._dispatch_get_all_op_names():
+        if not _EMPTY.match(name):
+            continue
+        packet_name, _, overload = name[len("aten::") :].partition(".")
+        op = getattr(getattr(aten, packet_name), overload or "default", None)
+        if op is not None and not op._schema.is_mutable:  # not the out= forms
+            found.add(op)
+    return frozenset(found)
+
+
+#: Overloads that only allocate: no kernel runs, so a CUDA graph replays nothing for them and
+#: their memory keeps its previous contents.
+ALLOCATIONS: frozenset = _allocations()
+
+# --------------------------------------------------------------------------------------------
+# Dispatch level: one call with its arguments
+# --------------------------------------------------------------------------------------------
+
+_BOOL_INDEX_DTYPES = (torch.bool, torch.uint8)
+# ``x[mask] = v``: index_put carries no tag, but CUDA expands a boolean mask with nonzero (a
+# sync), except for the one-element value it turns into masked_fill_.
+_INDEX_PUT_OPS = frozenset(
+    op
+    for op in (
+        aten.index_put_.default,
+        aten.index_put.default,
+        getattr(getattr(aten, "_index_put_impl_", None), "default", None),
+    )
+    if op is not None
+)
+
+
+def _has_bool_index(indices: Any) -> bool:
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in _BOOL_INDEX_DTYPES for i in (indices or ())
+    )
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+# The tag speaks for the worst case of these overloads; the arguments say whether it applies.
+_SHAPE_FROM_ARGUMENTS: dict[Any, Callable[[tuple, dict], bool]] = {
+    aten.index.Tensor: lambda a, k: _has_bool_index(_arg(a, k, 1, "indices", ())),
+    aten.repeat_interleave.Tensor: lambda a, k: _arg(a, k, 1, "output_size", None) is None,
+    aten.one_hot.default: lambda a, k: _arg(a, k, 1, "num_classes", -1) == -1,
+}
+
+
+def capture_refusal(func: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """Why CUDA capture would reject this call of an op as the dispatcher runs it, as
+    ``(what ran, reason)``; None when it can be captured.
+
+    Args:
+        func: an ``OpOverload`` (or another dispatched callable, which is never refused).
+        args / kwargs: the call's arguments (real or fake tensors, Python values).
+    """
+    tags = getattr(func, "tags", ())
+    if torch.Tag.data_dependent_output in tags:
+        return dispatched_op_name(func), SYNC
+    if func in _PINNING:
+        return dispatched_op_name(func), PINNED
+    if kwargs.get("pin_memory"):
+        return f"{dispatched_op_name(func)} (pin_memory=True)", PINNED
+    if func in _INDEX_PUT_OPS and _has_bool_index(_arg(args, kwargs, 1, "indices", ())):
+        value = _arg(args, kwargs, 2, "values", None)
+        if (
+            _arg(args, kwargs, 3, "accumulate", False)
+            or not isinstance(value, torch.Tensor)
+            or value.numel() != 1
+        ):
+            return f"{dispatched_op_name(func)} (boolean-mask assignment, x[mask] = v)", (
+                DYNAMIC_SHAPE
+            )
+        return None
+    if torch.Tag.dynamic_output_shape in tags:
+        applies = _SHAPE_FROM_ARGUMENTS.get(func)
+        if applies is not None and not applies(args, kwargs):
+            return None
+        if func is aten.index.Tensor:
+            return "aten::index.Tensor (boolean-mask indexing, x[mask])", DYNAMIC_SHAPE
+        return dispatched_op_name(func), DYNAMIC_SHAPE
+    if torch.Tag.cudagraph_unsafe in tags:
+        return dispatched_op_name(func), TAGGED_UNSAFE
+    return None
+
+
+def host_read(func: Any, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+    """Why CUDA capture would reject this Python-level call (a torch function or Tensor method,
+    as a torch-function mode sees it), as ``(what ran, reason)``; None when it is no host read.
+
+    ``Tensor.to`` counts as a device-to-host copy only with the host named by a string
+    (``"cpu"``): ``t.to(x.device)``, the device-generic idiom, names the tensor's own device.
+    """
+    try:
+        hit = HOST_READS.get(func)
+    except TypeError:  # an unhashable callable
+        return None
+    if hit is not None:
+        return hit
+    if func is _T.to and _names_host(args, kwargs):
+        return 'Tensor.to("cpu") (device-to-host copy)', SYNC
+    return None
+
+
+def _names_host(args: tuple, kwargs: dict) -> bool:
+    for candidate in (*args[1:], kwargs.get("device")):
+        if isinstance(candidate, str):
+            try:
+                if torch.device(candidate).type == "cpu":
+                    return True
+            except (RuntimeError, ValueError):
+                continue
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# FX node level: the op a node calls, whatever form Dynamo recorded it in
+# --------------------------------------------------------------------------------------------
+
+
+def _overloads(names: tuple[str, str | None]) -> tuple:
+    """The overloads a node named ``names`` may call: the one it names, else every overload of
+    its op."""
+    base, overload = names
+    ns, _, op = base.partition("::")
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+    except (AttributeError, RuntimeError):
+        return ()
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return ()
+    found = (
+        getattr(packet, name, None) for name in ([overload] if overload else packet.overloads())
+    )
+    return tuple(op for op in found if op is not None)
+
+
+def _makes_tensors(op: Any) -> bool:
+    """Whether an overload returns tensors and writes none of its arguments (not an ``out=`` or
+    in-place form, nor one of TorchScript's list and string overloads: ``aten::split.str``)."""
+    schema = op._schema
+    return not schema.is_mutable and any(
+        isinstance(r.type, torch.TensorType)
+        or (
+            isinstance(r.type, torch.ListType)
+            and isinstance(r.type.getElementType(), torch.TensorType)
+        )
+        for r in schema.returns
+    )
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What the tags and schemas of an op's overloads say, for an op named without arguments.
+
+    Attributes:
+        refuses_capture: an overload's tags refuse capture whatever its arguments.
+        allocation: every overload that makes tensors is in :data:`ALLOCATIONS`.
+        view: every overload that makes tensors returns views of its arguments.
+        random: an overload is tagged ``nondeterministic_seeded``.
+    """
+
+    refuses_capture: bool
+    allocation: bool
+    view: bool
+    random: bool
+
+
+_BY_NAMES: dict[tuple[str, str | None], _Facts] = {}
+_NO_OP = _Facts(False, False, False, False)
+
+
+def _facts(node: Node) -> _Facts:
+    """The facts of the op ``node`` calls (all false when it calls none), cached per op
+    name."""
+    names = op_names(node)
+    if names is None:
+        return _NO_OP
+    try:
+        return _BY_NAMES[names]
+    except KeyError:
+        pass
+    overloads = _overloads(names)
+    fresh = [op for op in overloads if _makes_tensors(op)]
+    found = _BY_NAMES[names] = _Facts(
+        refuses_capture=any(_tag_refuses(op) for op in overloads),
+        allocation=bool(fresh) and all(op in ALLOCATIONS for op in fresh),
+        view=bool(fresh) and all(_returns_views(op) for op in fresh),
+        random=any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads),
+    )
+    return found
+
+
+def _tag_refuses(op: Any) -> bool:
+    """Whether the op's tags refuse capture whatever its arguments."""
+    tags = op.tags
+    if torch.Tag.dynamic_output_shape in tags:
+        return op not in _SHAPE_FROM_ARGUMENTS
+    return (
+        torch.Tag.data_dependent_output in tags
+        or torch.Tag.cudagraph_unsafe in tags
+        or op in _PINNING
+    )
+
+
+def _returns_views(op: Any) -> bool:
+    returns = op._schema.returns
+    return bool(returns) and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in returns
+    )
+
+
+def _python_callable(node: Node) -> Any:
+    if node.op == "call_method":
+        return getattr(torch.Tensor, node.target, None)
+    return node.target if node.op == "call_function" else None
+
+
+def unsafe(node: Node) -> str | None:
+    """The op name if ``node`` can never be captured in a CUDA/HIP graph, else None.
+
+    Unsafe: ops whose tags refuse capture (``cudagraph_unsafe``, ``dynamic_output_shape``,
+    ``data_dependent_output``; a packet or Tensor method when any of its overloads does),
+    pinned allocation, Python-level host reads (:data:`HOST_READS`) and ``synchronize``.
+    Decided from the target alone; the mark pass adds the node-level rules (unbacked sizes,
+    work on host tensors in a graph on a GPU).
+    """
+    if op_names(node) is None:
+        return None
+    callable_ = _python_callable(node)
+    try:
+        python_level = callable_ in HOST_READS or callable_ in _SYNC_CALLABLES
+    except TypeError:  # an unhashable target
+        python_level = False
+    return op_name(node) if python_level or _facts(node).refuses_capture else None
+
+
+def is_allocation(node: Node) -> bool:
+    """Whether ``node`` only allocates (the ``empty`` family, see :data:`ALLOCATIONS`)."""
+    return _facts(node).allocation
+
+
+def is_view(node: Node) -> bool:
+    """Whether ``node``'s result is a view of an argument: its op's schema says its result
+    aliases an argument, and, where Dynamo's example values are known, the result shares the
+    storage of one of the node's tensor arguments (``reshape``, ``contiguous``, ``to`` may
+    copy)."""
+    if not _facts(node).view:
+        return False
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return True  # no example values (a plain torch.fx graph): the schema speaks
+    try:
+        storage = value.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # no storage to compare
+        return True
+    for arg in node.all_input_nodes:
+        other = arg.meta.get("example_value")
+        if isinstance(other, torch.Tensor):
+            try:
+                if other.untyped_storage()._cdata == storage:
+                    return True
+            except (RuntimeError, NotImplementedError):
+                continue
+    return False
+
+
+def is_random(node: Node) -> bool:
+    """Whether the node's op draws random numbers: an overload of its op carries
+    ``torch.Tag.nondeterministic_seeded`` (``rand_like``, ``dropout``, ``bernoulli``, ...) and
+    the call does not switch drawing off (dropout in eval mode returns its input). Python
+    operators (``x * y``, ``x[i]``) never draw."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if getattr(node.target, "__module__", None) == "_operator":
+        return False
+    return _facts(node).random and not _evaluating(node)
+
+
+def _evaluating(node: Node) -> bool:
+    """A seeded op told by its schema's ``train`` / ``training`` argument not to draw (dropout
+    in eval mode returns its input)."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.name in ("train", "training"):
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                return value is False
+    # torch.nn.functional.dropout and friends: the Python signature names it ``training``
+    try:
+        bound = inspect.signature(target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # a builtin without a signature, a call_method name
+        return node.kwargs.get("training", node.kwargs.get("train")) is False
+    bound.apply_defaults()
+    arguments = bound.arguments
+    return arguments.get("training", arguments.get("train")) is False

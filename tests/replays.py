@@ -1,0 +1,28 @@
+"""What the capture counters say, for tests of capture features: a test that shows numbers equal
+eager proves nothing about capture unless its pieces replayed."""
+
+from __future__ import annotations
+
+import fxsplit
+
+
+def replays(backend: fxsplit.Backend) -> dict[str, int]:
+    """``{"<graph>/<piece>": replays summed over capture keys}`` for every captured piece of
+    every graph ``backend`` compiled."""
+    return {
+        f"{graph}/{piece}": sum(counts.get("replays", 0) for counts in keys.values())
+        for graph, pieces in backend.stats.items()
+        for piece, keys in pieces.items()
+    }
+
+
+def assert_replayed(backend: fxsplit.Backend, at_least: int = 1) -> None:
+    """Every captured piece of every graph of ``backend`` replayed ``at_least`` times.
+
+    Raises:
+        AssertionError: ``backend`` has no captured piece, or one replayed fewer times (the
+            message lists each piece's replays).
+    """
+    counts = replays(backend)
+    assert counts, "no captured piece"
+    assert all(n >= at_least for n in counts.values()), f"replays per piece: {counts}"
