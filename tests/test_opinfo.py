@@ -143,6 +143,7 @@ DYNAMO_REFUSES = (
     torch._dynamo.exc.InternalTorchDynamoError,
 )
 
+
 def _case_id(op, variant: str) -> str:
     return f"{op.name}.{op.variant_test_name}-{variant}"
 

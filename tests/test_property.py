@@ -637,8 +637,15 @@ def _schedule(case: Case) -> list[int]:
     b1, b2 = case.sizes
     if case.capture == "off":
         return [b1, b2]
-    # warm-up, capture and replays of b1, then of b2, then b1 again (replay after another key).
-    runs = case.warmup_runs + 2
+    # warm-up, capture and replays of b1, then of b2, then b1 again (replay after another key):
+    # the calls a capture key needs to replay once (its warm-ups, one more for compiled pieces
+    # and for late ones, a refused first capture, the capture); twice that where the int
+    # argument alternates between two keys per size.
+    compiled = case.options.get("compile_pieces") == "inductor"
+    runs = case.warmup_runs + compiled + max(case.late, default=0) + case.refuse_once + 2
+    reads_int = any(ins[0] == "intarg" for ins, _, _ in _flatten(case.program))
+    if reads_int and case.ints[0] != case.ints[1]:
+        runs *= 2
     return [b1] * runs + [b2] * runs + [b1]
 
 
