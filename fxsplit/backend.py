@@ -131,21 +131,13 @@ class Backend:
                 gc.enable()
         cuda = _cuda_device(example_inputs)
         if inductor.resolve(config.compile_pieces, cuda) == "inductor":
-            try:
-                result.compiled_pieces = inductor.compile_pieces(
-                    result,
-                    cuda,
-                    cache.cache_dir(config.cache_dir),
-                    torch.is_grad_enabled(),
-                    *_traced_size(result, example_inputs, frame, config),
-                )
-            except inductor.RestartAnalysis:
-                # Dynamo traces the frame again (a float specialised) and calls us again:
-                # this graph never existed.
-                with self._lock:
-                    if self._count == int(graph_id.rpartition("_")[2]) + 1:
-                        self._count -= 1
-                raise
+            result.compiled_pieces = inductor.compile_pieces(
+                result,
+                cuda,
+                cache.cache_dir(config.cache_dir),
+                torch.is_grad_enabled(),
+                *_traced_size(result, example_inputs, frame, config),
+            )
         plan = result.plan
         self.checks.note(policy, config, plan, result.marks)
         self.plans.append(plan)
