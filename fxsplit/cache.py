@@ -20,6 +20,7 @@ refused with one warning naming it: the piece is compiled instead.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ import os
 import stat
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -126,23 +128,23 @@ class PieceCache:
         """The artifact stored under ``key``, or None: missing, or not usable (deleted if it
         is this user's, with one warning naming it; the caller compiles and stores it
         again)."""
+        payload = self.payload(key)
+        if payload is None:
+            return None
+        try:
+            return load_artifact(payload, self.folder)
+        except Exception as error:  # Inductor cannot read it: a miss, never a crash
+            _discard(self.path(key), f"could not be loaded ({type(error).__name__}: {error})")
+            return None
+
+    def payload(self, key: str) -> bytes | None:
+        """Inductor's artifact stored under ``key``, checked against it; None where missing or
+        not usable (see :meth:`load`)."""
         path = self.path(key)
         if not self.usable():
             return None
         data = _read_private(path)
-        if data is None:
-            return None
-        payload = _open_envelope(data, _MAGIC, key, path)
-        if payload is None:
-            return None
-        from torch._inductor import CompiledArtifact
-
-        try:
-            with _scratch(self.folder, payload) as scratch:
-                return CompiledArtifact.load(path=scratch, format="binary")
-        except Exception as error:  # Inductor cannot read it: a miss, never a crash
-            _discard(path, f"could not be loaded ({type(error).__name__}: {error})")
-            return None
+        return None if data is None else _open_envelope(data, _MAGIC, key, path)
 
     def save(self, key: str, artifact) -> bool:
         """Store ``artifact`` under ``key`` atomically; False (logged) when Inductor cannot save
@@ -264,20 +266,25 @@ def _write(path: Path, data: bytes) -> None:
         raise
 
 
-class _scratch:
+def load_artifact(payload: bytes, folder: Path | None = None):
+    """Inductor's artifact from its binary format (``CompiledArtifact.load`` reads paths: a
+    private temporary file in ``folder``, else in the system's temporary folder)."""
+    from torch._inductor import CompiledArtifact
+
+    with _scratch(folder, payload) as scratch:
+        return CompiledArtifact.load(path=scratch, format="binary")
+
+
+@contextlib.contextmanager
+def _scratch(folder: Path | None, payload: bytes) -> Iterator[str]:
     """A private temporary file holding ``payload`` (Inductor loads artifacts from paths)."""
-
-    def __init__(self, folder: Path, payload: bytes) -> None:
-        self.folder, self.payload, self.path = folder, payload, None
-
-    def __enter__(self) -> str:
-        fd, self.path = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".inductor")
+    fd, path = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".inductor")
+    try:
         with os.fdopen(fd, "wb") as out:
-            out.write(self.payload)
-        return self.path
-
-    def __exit__(self, *exc) -> None:
-        os.unlink(self.path)
+            out.write(payload)
+        yield path
+    finally:
+        os.unlink(path)
 
 
 def _folder(root: Path) -> Path:

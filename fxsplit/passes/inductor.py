@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -44,12 +45,13 @@ COMPILE_MODES = ("auto", "inductor", "eager")
 
 # What Inductor's pass for Python scalars raises when a float must be specialised.
 RestartAnalysis = torch._dynamo.exc.TensorifyScalarRestartAnalysis
-COMPILED, DISK, MEMORY, EAGER = "compiled", "disk", "memory", "eager"
+COMPILED, DISK, MEMORY, BUNDLE, EAGER = "compiled", "disk", "memory", "bundle", "eager"
 
 _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 # Artifacts compiled or loaded in this process, and why Inductor failed, by cache key.
 _MEMORY: dict[str, object] = {}
 _FAILED: dict[str, str] = {}
+_PREPARING: threading.Thread | None = None
 
 
 @dataclass
@@ -58,12 +60,15 @@ class CompiledPiece:
 
     Attributes:
         pieces: the pieces sharing it, in order (the first is the one compiled).
-        outcome: ``"compiled"`` (by Inductor now), ``"disk"`` / ``"memory"`` (cache hits) or
-            ``"eager"`` (kept as generated Python; see ``reason``).
+        outcome: ``"compiled"`` (by Inductor now), ``"disk"`` / ``"memory"`` (cache hits),
+            ``"bundle"`` (loaded with a precompiled graph) or ``"eager"`` (kept as generated
+            Python; see ``reason``).
         seconds: wall time of the compile or load.
         reason: why it stayed eager; None otherwise.
         output_code: Inductor's generated wrapper code, where this process generated it.
-        key: the cache key (:class:`fxsplit.passes.piece_key.Key` name; None when eager).
+        key: the cache key (:class:`fxsplit.passes.piece_key.Key` name; None when eager or
+            loaded with a precompiled graph).
+        identity: the piece within its graph (:func:`fxsplit.passes.piece_key.identity`).
     """
 
     pieces: tuple[str, ...]
@@ -72,6 +77,7 @@ class CompiledPiece:
     reason: str | None = None
     output_code: str | None = None
     key: str | None = None
+    identity: str | None = None
 
 
 class InductorPiece:
@@ -125,6 +131,26 @@ def resolve(mode: str, device: torch.device | None) -> str:
     return mode
 
 
+def prepare(device: torch.device | None) -> None:
+    """Start, in the background, the part of Inductor's per-process setup that waits on other
+    processes: before C++ kernels for the CPU load, Inductor checks which vector instruction
+    sets the compiler may use (a small build and a child process per set, about 2 s); started
+    early, it overlaps the work before the first load (unpickling and splitting a precompiled
+    graph). Loads wait for it (:func:`_prepared`)."""
+    global _PREPARING
+    if (device is not None and device.type != "cpu") or _PREPARING is not None:
+        return
+    from torch._inductor import cpu_vec_isa
+
+    _PREPARING = threading.Thread(target=cpu_vec_isa.pick_vec_isa, daemon=True)
+    _PREPARING.start()
+
+
+def _prepared() -> None:
+    if _PREPARING is not None:
+        _PREPARING.join()
+
+
 def forget() -> None:
     """Drop the artifacts and failures kept in memory (the disk cache stays)."""
     _MEMORY.clear()
@@ -138,6 +164,7 @@ def compile_pieces(
     grad_at_entry: bool,
     size: object = None,
     sizes: tuple[int, ...] = (),
+    bundle: dict[str, bytes] | None = None,
 ) -> list[CompiledPiece]:
     """Compile every distinct captured piece of ``split`` and make its pieces run the result.
 
@@ -153,6 +180,9 @@ def compile_pieces(
         size: the token count as Dynamo traced it (the leading dim of the size input: a SymInt
             when dynamic), for ``sizes``.
         sizes: the ``compile_sizes`` option: token counts that get a compile of their own.
+        bundle: a precompiled graph's compiled pieces (Inductor's artifacts by
+            :func:`fxsplit.passes.piece_key.identity`: :mod:`fxsplit.precompile`), loaded
+            without keys or guards, as they were compiled; the rest as usual.
 
     Returns:
         one :class:`CompiledPiece` per distinct captured piece, in graph order.
@@ -160,42 +190,58 @@ def compile_pieces(
     start = time.perf_counter()
     gm = split.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
+    floats = piece_graph.float_sources(gm)
     groups: dict[tuple, list[int]] = {}
     for i, (part, module) in enumerate(zip(split.parts, split.materialised.pieces, strict=True)):
         if part.kind == partition.CAPTURED:
             examples = [nodes[name].meta.get("example_value") for name in module.input_names]
-            layouts = (piece_graph.layouts(examples), piece_graph.assumptions(examples))
+            layouts = (
+                piece_graph.layouts(examples),
+                piece_graph.assumptions(examples),
+                piece_graph.constants(examples, floats),
+            )
             groups.setdefault((module.shared_code, layouts), []).append(i)
-    floats = piece_graph.float_sources(gm)
     disk = cache.PieceCache(cache_root)
     kind = cache.device_kind(device)
     context = torch._guards.TracingContext.try_get()
     dynamic = "from_tracing_context" if context is not None else "from_graph"
     results = []
-    for members in _progress(groups.values(), split.plan.graph_id):
+    for (code, layouts), members in _progress(groups.items(), split.plan.graph_id):
         first = split.materialised.pieces[members[0]]
         part_nodes = split.parts[members[0]].nodes
         names = tuple(split.materialised.pieces[i].name for i in members)
         reason = _not_compiled(split, members[0], nodes, grad_at_entry)
         piece = None
         if reason is None:
-            piece = piece_graph.build(gm, part_nodes, first, nodes, floats)
+            # a precompiled frame's guards were built when it was compiled
+            piece = piece_graph.build(gm, part_nodes, first, nodes, floats, guard=bundle is None)
             reason = piece.reason
         if reason is not None:
             results.append(CompiledPiece(names, EAGER, reason=reason))
             continue
-        key = piece_key.key(piece, dynamic, kind, piece_graph.objects(part_nodes, gm))
-        if not key.portable:
-            log.debug("fxsplit: %s is cached in memory only: %s", names[0], key.why)
-        result = _compile(piece, key, disk if key.portable else None, dynamic)
-        results.append(CompiledPiece(names, *result))
-        if result[0] == EAGER:
-            continue
-        size_arg, sized = _specialise(piece, key, disk if key.portable else None, size, sizes)
+        identity = piece_key.identity(code, layouts)
+        loading = time.perf_counter()
+        artifact, size_arg, sized = _from_bundle(bundle, identity), None, None
+        if artifact is not None:
+            seconds = time.perf_counter() - loading
+            results.append(CompiledPiece(names, BUNDLE, seconds, identity=identity))
+        if artifact is None or sizes:
+            key = piece_key.key(piece, dynamic, kind, piece_graph.objects(part_nodes, gm))
+            store = disk if key.portable else None
+            if not key.portable:
+                log.debug("fxsplit: %s is cached in memory only: %s", names[0], key.why)
+        if artifact is None:
+            result = _compile(piece, key, store, dynamic)
+            results.append(CompiledPiece(names, *result, identity=identity))
+            if result[0] == EAGER:
+                continue
+            artifact = _MEMORY[key.name]
+        if sizes:
+            size_arg, sized = _specialise(piece, key, store, size, sizes)
         for i in members:
             module = split.materialised.pieces[i]
             module.forward = InductorPiece(
-                _MEMORY[key.name],
+                artifact,
                 module.forward,
                 len(module.output_names) == 1,
                 module.name,
@@ -215,14 +261,31 @@ def summary(records: list[CompiledPiece], start: float | None = None) -> str:
     """``"3 distinct pieces: 1 compiled, 2 loaded (2 from disk), 0 left as Python, 4.2 s"``;
     the seconds are the records' own, or since ``start`` (``time.perf_counter()``)."""
     outcomes = Counter(r.outcome for r in records)
-    loaded = outcomes[DISK] + outcomes[MEMORY]
-    sources = (("disk", outcomes[DISK]), ("memory", outcomes[MEMORY]))
+    loaded = outcomes[DISK] + outcomes[MEMORY] + outcomes[BUNDLE]
+    sources = (("disk", outcomes[DISK]), ("memory", outcomes[MEMORY]), ("bundle", outcomes[BUNDLE]))
     where = ", ".join(f"{n} from {label}" for label, n in sources if n)
     seconds = time.perf_counter() - start if start is not None else sum(r.seconds for r in records)
     return (
         f"{len(records)} distinct pieces: {outcomes[COMPILED]} compiled, {loaded} loaded"
         f"{f' ({where})' if where else ''}, {outcomes[EAGER]} left as Python, {seconds:.1f} s"
     )
+
+
+def _from_bundle(bundle, identity: str):
+    """The artifact of a precompiled graph's piece; None where the bundle lacks it or Inductor
+    cannot read it (the piece is then looked up or compiled as usual)."""
+    if not bundle or identity not in bundle:
+        return None
+    import torch._inductor.compile_fx  # noqa: F401  (loading needs it: imported while _prepared runs)
+
+    _prepared()
+    try:
+        artifact = cache.load_artifact(bundle[identity])
+    except Exception as error:
+        log.info("fxsplit: a precompiled piece could not be loaded (%s); compiling", error)
+        return None
+    counters.totals["piece_cache_hits"] += 1
+    return artifact
 
 
 def _compile(piece: piece_graph.PieceGraph, found: piece_key.Key, disk, dynamic: str):
@@ -245,7 +308,13 @@ def _compile(piece: piece_graph.PieceGraph, found: piece_key.Key, disk, dynamic:
     from torch._inductor import standalone_compile
 
     try:
-        with _output_code() as code, _other_floats_settled(piece), found.tagged(), torch.no_grad():
+        with (
+            _output_code() as code,
+            _other_floats_settled(piece),
+            found.tagged(),
+            piece_key.standalone(),
+            torch.no_grad(),
+        ):
             artifact = standalone_compile(
                 piece.graph_module,
                 piece.examples,

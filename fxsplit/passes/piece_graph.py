@@ -100,7 +100,9 @@ def is_argument(source) -> bool:
     return getattr(source, "is_input", True)
 
 
-def build(gm: GraphModule, part_nodes, module, nodes: dict[str, Node], floats) -> PieceGraph:
+def build(
+    gm: GraphModule, part_nodes, module, nodes: dict[str, Node], floats, guard: bool = True
+) -> PieceGraph:
     """The graph of one piece, from its nodes in the Dynamo graph ``gm``.
 
     Args:
@@ -108,6 +110,8 @@ def build(gm: GraphModule, part_nodes, module, nodes: dict[str, Node], floats) -
         module: its :class:`~fxsplit.passes.materialise.PieceModule` (input and output names).
         nodes: ``gm``'s nodes by name.
         floats: :func:`float_sources` of ``gm``.
+        guard: guard the constant floats it bakes in (False where the frame's guards exist
+            already: a precompiled graph being loaded).
     """
     graph = Graph()
     env: dict[Node, object] = {}
@@ -122,7 +126,8 @@ def build(gm: GraphModule, part_nodes, module, nodes: dict[str, Node], floats) -
             kind = _float_kind(value, floats)
             if kind == "constant":
                 # baked in; the guard makes another value a new frame compile
-                env[node] = float(torch.fx.experimental.symbolic_shapes.guard_scalar(value))
+                guarded = torch.fx.experimental.symbolic_shapes.guard_scalar
+                env[node] = float(guarded(value) if guard else value.node.hint)
                 continue
             if kind != "argument" or not (node.op == "call_method" and node.target == "item"):
                 reason = (
@@ -284,14 +289,30 @@ def symbols(examples) -> set:
 def assumptions(examples) -> tuple[str, ...]:
     """What Dynamo's shape environment knows about the sizes of ``examples`` (its guards and
     value ranges on their symbols): Inductor may simplify with it, so an artifact is shared,
-    and found in the cache, only where it is the same."""
+    and found in the cache, only where it is the same. Floats are not sizes (see
+    :func:`constants`)."""
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
+
     dim = next(symbolic(examples), None)
     if dim is None:
         return ()
-    shape_env, found = dim.node.shape_env, symbols(examples)
+    shape_env = dim.node.shape_env
+    found = {s for s in symbols(examples) if not symbol_is_type(s, SymT.FLOAT)}
     guards = sorted(str(g.expr) for g in shape_env.guards if g.expr.free_symbols & found)
     ranges = [f"{s}:{shape_env.var_to_range.get(s)}" for s in sorted(found, key=str)]
     return (*guards, *ranges)
+
+
+def constants(examples, floats) -> tuple:
+    """The values of the inputs that are floats constant for the frame (baked into the compiled
+    graph, so they tell its pieces apart: each layer's ``eps`` is a float of its own), in
+    order; ``"argument"`` for a float argument, ``"other"`` for another float."""
+    return tuple(
+        repr(value.node.hint) if kind == "constant" else kind
+        for value in examples
+        if isinstance(value, torch.SymFloat)
+        for kind in (_float_kind(value, floats),)
+    )
 
 
 _LIBRARIES = ("torch", "_operator", "operator", "math", "builtins")

@@ -24,9 +24,11 @@ get a key valid in this process only, so they are never stored on disk.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +62,13 @@ class Key:
         return torch.compiler.config.patch(cache_key_tag=self.tag)
 
 
+def identity(code: str, layouts: object) -> str:
+    """A piece within its graph: its canonical code and its inputs' layouts and shape
+    assumptions (what groups identical pieces; a precompiled graph's bundle is indexed by
+    it, since loading splits the same graph again)."""
+    return _digest(code, repr(layouts))
+
+
 def key(piece: piece_graph.PieceGraph, dynamic: str, device: str, objects: tuple) -> Key:
     """The key of ``piece`` compiled with ``standalone_compile(dynamic_shapes=dynamic)`` for
     the device kind ``device`` (:func:`fxsplit.cache.device_kind`)."""
@@ -80,7 +89,7 @@ def key(piece: piece_graph.PieceGraph, dynamic: str, device: str, objects: tuple
     elif decompositions:
         tag = _digest(tag, *decompositions)
     try:
-        with torch.compiler.config.patch(cache_key_tag=tag):
+        with torch.compiler.config.patch(cache_key_tag=tag), standalone():
             pytorch_key = _pytorch_key(piece.graph_module, piece.examples, dynamic)
     except Exception as error:  # PyTorch refuses to key it: this process only
         first = next(iter(str(error).splitlines()), "")
@@ -94,6 +103,25 @@ def key(piece: piece_graph.PieceGraph, dynamic: str, device: str, objects: tuple
     return Key(_digest(*parts), why is None, why, tag)
 
 
+@contextlib.contextmanager
+def standalone() -> Iterator[None]:
+    """Key and compile a piece as a standalone artifact, the same whether or not its frame is
+    being precompiled or was loaded precompiled: ``aot_compile`` switches AOTAutograd's cache
+    to bundled, strict entries with throwaway keys, and loading one turns on Inductor's
+    ``enable_autograd_for_aot``; both would enter the key."""
+    with (
+        torch._functorch.config.patch(
+            bundled_autograd_cache=False,
+            strict_autograd_cache=False,
+            bypass_autograd_cache_key=False,
+            force_autograd_cache=False,
+            force_non_lazy_backward_lowering=False,
+        ),
+        torch._inductor.config.patch(enable_autograd_for_aot=False),
+    ):
+        yield
+
+
 def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
@@ -102,9 +130,7 @@ def _pytorch_key(graph_module, examples, dynamic: str) -> str:
     """AOTAutograd's cache key of the piece (raises where PyTorch refuses to key it)."""
     from torch._inductor.standalone_compile import autograd_cache_key
 
-    # Under precompile, AOTAutograd hands out a random key instead of raising.
-    with torch._functorch.config.patch(bypass_autograd_cache_key=False):
-        found, _ = autograd_cache_key(graph_module, examples, dynamic_shapes=dynamic)
+    found, _ = autograd_cache_key(graph_module, examples, dynamic_shapes=dynamic)
     return found
 
 
