@@ -76,13 +76,13 @@ def test_the_plan_of_a_precompiled_graph_is_the_plan_of_the_traced_one(tmp_path)
     model, x = Stack(2), torch.randn(3, 8)
     backend = fxsplit.Backend(compile_pieces="eager")
     torch.compile(model, backend=backend, dynamic=True)(x)
-    traced = backend.plans[0].format()
+    traced = backend.plans[0].pieces
     torch._dynamo.reset()
     aot = _aot(model, (x,), tmp_path, compile_pieces="eager")
-    assert fxsplit.plans()[-1].format() == traced
+    assert fxsplit.plans()[-1].pieces == traced
     data = precompile.Precompiled.serialize_compile_artifacts(aot._artifacts.compiled_fn)
     precompile.Precompiled.deserialize_compile_artifacts(data)
-    assert fxsplit.plans()[-1].format() == traced
+    assert fxsplit.plans()[-1].pieces == traced
 
 
 def test_another_fxsplit_version_is_refused_naming_both(tmp_path, monkeypatch):
