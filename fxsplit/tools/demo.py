@@ -126,7 +126,20 @@ def _deepseek(console: Console, runner: str, compile_pieces: str) -> bool:
     for plan in backend.plans:
         console.print(plan_table(plan, f"DeepSeek-V4 {graph_title(plan)}"))
     console.print(table)
+    _compile_summary(console, _records(backend))
     return ok
+
+
+def _records(backend: fxsplit.Backend) -> list:
+    return [r for split in backend.compiled for r in split.compiled_pieces or ()]
+
+
+def _compile_summary(console: Console, records: list) -> None:
+    """One line: the distinct pieces compiled, loaded or left as Python, and the seconds."""
+    from fxsplit.passes import inductor
+
+    if records:
+        console.print(f"compiled pieces: {inductor.summary(records)}", highlight=False)
 
 
 def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
@@ -155,6 +168,7 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
     for column in ("seq_len", "pieces captured/eager", "max diff", "replays", "ok"):
         table.add_column(column, justify="right", overflow="fold")
     ok = True
+    records = []
     for seq_len in PREFILL_LENGTHS:
         torch._dynamo.reset()
         model, args = hf_deepseek_v4.example(seq_len=seq_len)
@@ -172,6 +186,7 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
             before = fxsplit.counters.snapshot()["replays"]
             got = compiled(*args)  # replays
             replays = fxsplit.counters.snapshot()["replays"] - before
+        records += _records(backend)
         good, diff = _equal(got, want, _compiles(compile_pieces, device))
         pieces = backend.plans[0].pieces
         sides = [p.kind for p in pieces]
@@ -183,6 +198,7 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
     for plan in backend.plans:  # the plans of the longest prefill
         console.print(plan_table(plan, f"transformers DeepseekV4ForCausalLM {graph_title(plan)}"))
     console.print(table)
+    _compile_summary(console, records)
     return ok
 
 
