@@ -152,7 +152,7 @@ def measure(depths: list[int], variants, repeat: int, timeout: float, scratch: s
                         tempfile.mkdtemp(prefix="inductor-", dir=scratch),
                     )
                 figures = _spawn(variant, layers, *dirs, timeout)
-                print(f"  {layers:2d} layers {variant:14s} {_cell(figures)}", flush=True)
+                print(f"  {layers:2d} layers {variant:18s} {_cell(figures)}", flush=True)
                 best = row.get(variant)
                 runs = [*(best or {}).get("runs", []), figures.get("seconds")]
                 if best is None or figures.get("seconds", float("inf")) < best.get(
@@ -181,14 +181,14 @@ def _cost(results: dict, layers: int, variant: str) -> float | None:
 def report(results: dict) -> list[str]:
     """The table and the target lines."""
     lines = ["time to first output (s) / compile cost = minus eager's (s), pieces compiled+loaded"]
-    lines.append(f"{'layers':>6} {'variant':14s} {'first out':>9} {'cost':>7}  pieces")
+    lines.append(f"{'layers':>6} {'variant':18s} {'first out':>9} {'cost':>7}  pieces")
     for layers, row in results.items():
         for variant in VARIANTS:
             figures = row.get(variant)
             if figures is None:
                 continue
             if "error" in figures:
-                lines.append(f"{layers:6d} {variant:14s} {figures['error']}")
+                lines.append(f"{layers:6d} {variant:18s} {figures['error']}")
                 continue
             cost = _cost(results, layers, variant)
             pieces = ""
@@ -201,7 +201,7 @@ def report(results: dict) -> list[str]:
                 pieces += f" (runs: {', '.join(runs)} s)"
             cost_text = "      -" if cost is None else f"{cost:7.2f}"
             lines.append(
-                f"{layers:6d} {variant:14s} {figures['seconds']:9.2f} {cost_text}  {pieces}"
+                f"{layers:6d} {variant:18s} {figures['seconds']:9.2f} {cost_text}  {pieces}"
             )
     lines += targets(results)
     return lines
