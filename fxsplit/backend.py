@@ -104,10 +104,7 @@ class Backend:
         state = precompile.capture(gm, config, frame)  # before the split edits the graph
         compiled = self.build(gm, example_inputs, config, frame)
         precompile.add_pieces(
-            state,
-            self.compiled[-1].compiled_pieces,
-            cache.cache_dir(config.cache_dir),
-            _cuda_device(example_inputs),
+            state, self.compiled[-1].compiled_pieces, cache.cache_dir(config.cache_dir)
         )
         return precompile.Precompiled(compiled, state)
 

@@ -62,7 +62,6 @@ class State:
         pieces: Inductor's artifact (binary format) per piece
             (:func:`fxsplit.passes.piece_key.identity`).
         versions: torch and fxsplit versions it was compiled with.
-        device: the CUDA device of its pieces, None on the CPU.
         grad: grad mode when it was compiled (Dynamo's guards hold it to that mode).
     """
 
@@ -71,7 +70,6 @@ class State:
     frame: object
     pieces: dict[str, bytes] = field(default_factory=dict)
     versions: tuple[str, str] = ("", "")
-    device: torch.device | None = None
     grad: bool = True
 
 
@@ -89,8 +87,7 @@ def restore_graphargs(gm: torch.fx.GraphModule, example_inputs) -> None:
     for node, example in zip(placeholders, example_inputs, strict=False):
         if "grapharg" in node.meta or not isinstance(example, torch.Tensor):
             continue
-        symbolic = contexts.get(example) if example in contexts else None
-        source = getattr(symbolic, "tensor_source", None)
+        source = getattr(contexts.get(example), "tensor_source", None)
         floated = isinstance(source, FloatTensorSource)
         node.meta["grapharg"] = _Arg(source.base if floated else source, floated, example)
         if hasattr(example, "_dynamo_static_input_type"):
@@ -156,12 +153,11 @@ def _pickler():
     return Pickler
 
 
-def add_pieces(state: State, records, cache_root, device) -> None:
+def add_pieces(state: State, records, cache_root) -> None:
     """Bundle the artifacts of the compiled pieces of one graph (from the piece cache, where
     this run stored or found them)."""
     from fxsplit import cache
 
-    state.device = device
     store = cache.PieceCache(cache_root)
     for record in records or ():
         if record.key is not None and record.identity not in state.pieces:
@@ -199,7 +195,6 @@ class Precompiled(SerializableCallable):
 
         from fxsplit import __version__
         from fxsplit.backend import fxsplit_backend
-        from fxsplit.passes import inductor
 
         found, state = pickle.loads(data)
         if found != FORMAT or state.versions[1] != __version__:
@@ -207,8 +202,6 @@ class Precompiled(SerializableCallable):
                 f"precompiled with fxsplit {state.versions[1]} (format {found}); this is "
                 f"fxsplit {__version__} (format {FORMAT}): precompile again"
             )
-        if state.pieces:
-            inductor.prepare(state.device)
         gm = GraphPickler.loads(state.graph, FakeTensorMode(shape_env=ShapeEnv()))
         examples = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
         with torch.set_grad_enabled(state.grad):

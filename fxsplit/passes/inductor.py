@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -51,7 +50,6 @@ _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 # Artifacts compiled or loaded in this process, and why Inductor failed, by cache key.
 _MEMORY: dict[str, object] = {}
 _FAILED: dict[str, str] = {}
-_PREPARING: threading.Thread | None = None
 
 
 @dataclass
@@ -129,26 +127,6 @@ def resolve(mode: str, device: torch.device | None) -> str:
     if mode == "auto":
         return "inductor" if device is not None and device.type == "cuda" else "eager"
     return mode
-
-
-def prepare(device: torch.device | None) -> None:
-    """Start, in the background, the part of Inductor's per-process setup that waits on other
-    processes: before C++ kernels for the CPU load, Inductor checks which vector instruction
-    sets the compiler may use (a small build and a child process per set, about 2 s); started
-    early, it overlaps the work before the first load (unpickling and splitting a precompiled
-    graph). Loads wait for it (:func:`_prepared`)."""
-    global _PREPARING
-    if (device is not None and device.type != "cpu") or _PREPARING is not None:
-        return
-    from torch._inductor import cpu_vec_isa
-
-    _PREPARING = threading.Thread(target=cpu_vec_isa.pick_vec_isa, daemon=True)
-    _PREPARING.start()
-
-
-def _prepared() -> None:
-    if _PREPARING is not None:
-        _PREPARING.join()
 
 
 def forget() -> None:
@@ -276,9 +254,6 @@ def _from_bundle(bundle, identity: str):
     cannot read it (the piece is then looked up or compiled as usual)."""
     if not bundle or identity not in bundle:
         return None
-    import torch._inductor.compile_fx  # noqa: F401  (loading needs it: imported while _prepared runs)
-
-    _prepared()
     try:
         artifact = cache.load_artifact(bundle[identity])
     except Exception as error:

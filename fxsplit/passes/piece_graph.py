@@ -118,7 +118,7 @@ def build(
     examples = []
     keep: list[int] = []
     as_tensor: list[int] = []
-    symbols: set[str] = set()
+    float_names: set[str] = set()
     for k, name in enumerate(module.input_names):
         node = nodes[name]
         value = node.meta["example_value"]
@@ -151,7 +151,7 @@ def build(
             as_tensor.append(len(keep))
             keep.append(k)
             examples.append(_float_tensor(tensor.meta["example_value"], value))
-            symbols.add(str(value.node.expr))
+            float_names.add(str(value.node.expr))
             continue
         env[node] = graph.placeholder(f"a{k}")
         env[node].meta = _meta(node)
@@ -172,7 +172,7 @@ def build(
     if as_tensor or len(keep) != len(module.input_names):
         inputs = Inputs(tuple(keep), tuple(as_tensor))
     piece = GraphModule(gm, graph, class_name="FxsplitPiece")
-    return PieceGraph(piece, examples, inputs, frozenset(symbols))
+    return PieceGraph(piece, examples, inputs, frozenset(float_names))
 
 
 def _tensor_arithmetic(item: Node, part: set[Node]) -> bool:
