@@ -28,7 +28,7 @@ its cost at the shallowest; fxsplit cold time to first output at the deepest dep
 at every depth (``fxsplit-warm`` shown beside it).
 
 Usage: python bench/compile_time.py [--layers 1 4 16] [--variants ...] [--repeat 1]
-       [--timeout 900] [--json out.json]
+       [--timeout 900] [--json out.json] [--phases]
 """
 
 from __future__ import annotations
@@ -56,12 +56,49 @@ SHARED = ("fxsplit-cold", "fxsplit-warm", "fxsplit-precompile", "fxsplit-load")
 BATCH = 4
 
 
-def child(variant: str, layers: int, cache_dir: str) -> dict:
+# (module, attribute, label) of the steps --phases times, in the order they run.
+PHASES = (
+    ("torch.fx._graph_pickler", "GraphPickler.loads", "graph unpickled"),
+    ("fxsplit.backend", "split", "split"),
+    ("fxsplit.passes.piece_key", "key", "piece keys"),
+    ("torch._inductor.standalone_compile", "CompiledArtifact.load", "artifacts loaded"),
+    ("torch._inductor", "standalone_compile", "Inductor compiles"),
+)
+
+
+def _time_phases() -> dict[str, float]:
+    """Wrap the steps of :data:`PHASES` to add up their seconds into the returned dict."""
+    import functools
+    import importlib
+
+    seconds: dict[str, float] = {}
+    for module_name, path, label in PHASES:
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, _original=original, _label=label, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                seconds[_label] = seconds.get(_label, 0.0) + time.perf_counter() - start
+
+        setattr(owner, name, staticmethod(timed) if parents else timed)
+    return seconds
+
+
+def child(variant: str, layers: int, cache_dir: str, phases: bool = False) -> dict:
     """Compile and run one step in this process; returns the figures as a dict."""
     import torch
 
     import fxsplit
     from fxsplit.models import deepseek_v4
+
+    timed = _time_phases() if phases else {}
 
     config = deepseek_v4.DeepseekV4Config(num_layers=layers)
     model = deepseek_v4.build(config)
@@ -109,13 +146,17 @@ def child(variant: str, layers: int, cache_dir: str) -> dict:
         "captured_pieces": counts["captured_pieces"],
         "outcomes": dict(outcomes),
         "torch": torch.__version__,
+        "phases": {k: round(v, 2) for k, v in timed.items()},
     }
 
 
-def _spawn(variant: str, layers: int, cache_dir: str, inductor_dir: str, timeout: float) -> dict:
+def _spawn(
+    variant: str, layers: int, cache_dir: str, inductor_dir: str, timeout: float, phases: bool
+) -> dict:
     """Run one child; its figures, or ``{"error": ...}`` when it failed or ran over."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_dir)
     command = [sys.executable, __file__, "--child", variant, "--layers", str(layers)]
+    command += ["--phases"] if phases else []
     command += ["--cache-dir", cache_dir]
     try:
         done = subprocess.run(
@@ -130,7 +171,9 @@ def _spawn(variant: str, layers: int, cache_dir: str, inductor_dir: str, timeout
     return json.loads(lines[-1])
 
 
-def measure(depths: list[int], variants, repeat: int, timeout: float, scratch: str) -> dict:
+def measure(
+    depths: list[int], variants, repeat: int, timeout: float, scratch: str, phases: bool = False
+) -> dict:
     """``{depth: {variant: figures}}``: per variant the figures of its fastest of ``repeat``
     child processes (each repeat runs every variant once, in turn, so load that changes
     during the run weighs on all of them), with every run's seconds under ``"runs"``."""
@@ -151,7 +194,7 @@ def measure(depths: list[int], variants, repeat: int, timeout: float, scratch: s
                         tempfile.mkdtemp(prefix="fxsplit-", dir=scratch),
                         tempfile.mkdtemp(prefix="inductor-", dir=scratch),
                     )
-                figures = _spawn(variant, layers, *dirs, timeout)
+                figures = _spawn(variant, layers, *dirs, timeout, phases)
                 print(f"  {layers:2d} layers {variant:18s} {_cell(figures)}", flush=True)
                 best = row.get(variant)
                 runs = [*(best or {}).get("runs", []), figures.get("seconds")]
@@ -203,6 +246,11 @@ def report(results: dict) -> list[str]:
             lines.append(
                 f"{layers:6d} {variant:18s} {figures['seconds']:9.2f} {cost_text}  {pieces}"
             )
+    for layers, row in results.items():
+        for variant, figures in row.items():
+            if figures.get("phases"):
+                steps = ", ".join(f"{k} {v:.2f}" for k, v in figures["phases"].items())
+                lines.append(f"steps (s), {layers} layers {variant}: {steps}")
     lines += targets(results)
     return lines
 
@@ -259,11 +307,14 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=float, default=900, help="seconds per child process")
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument(
+        "--phases", action="store_true", help="also time the steps of each run (see PHASES)"
+    )
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.layers[0], args.cache_dir)))
+        print(json.dumps(child(args.child, args.layers[0], args.cache_dir, args.phases)))
         return
     for variant in SHARED[1:]:
         if variant in args.variants and "fxsplit-cold" not in args.variants:
@@ -273,7 +324,7 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()[0]:.2f} (1 min), {os.cpu_count()} cores")
     with tempfile.TemporaryDirectory(prefix="fxsplit-compile-time-") as scratch:
         variants = [v for v in VARIANTS if v in args.variants]
-        results = measure(args.layers, variants, args.repeat, args.timeout, scratch)
+        results = measure(args.layers, variants, args.repeat, args.timeout, scratch, args.phases)
     load = os.getloadavg()
     print(f"load average after: {load[0]:.2f} (1 min), {load[2]:.2f} (15 min)")
     if args.json:  # before the report, so a long run's figures survive any mistake in it

@@ -60,7 +60,7 @@ def test_demo_decode_with_inductor_pieces_is_within_tolerance(runner, tmp_path, 
         inductor_log.removeHandler(warned)
     assert "NO" not in out.getvalue()
     assert fxsplit.counters.snapshot()["replays"] > 0
-    assert "compiled pieces: 3 distinct pieces: " in out.getvalue()
+    assert "compiled pieces: 3 distinct: " in out.getvalue()
     # Inductor could pickle every key (no cyclic SymFloat in it), so it cached every piece
     assert not [m for m in warned.messages if "Failed to pickle cache key" in m]
 

@@ -231,20 +231,19 @@ def compile_pieces(
         if record.outcome == EAGER:
             log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
     if results:
-        log.info("fxsplit %s: %s", split.plan.graph_id, summary(results, start))
+        log.info("fxsplit %s compiled pieces: %s", split.plan.graph_id, summary(results, start))
     return results
 
 
 def summary(records: list[CompiledPiece], start: float | None = None) -> str:
-    """``"3 distinct pieces: 1 compiled, 2 loaded (2 from disk), 0 left as Python, 4.2 s"``;
-    the seconds are the records' own, or since ``start`` (``time.perf_counter()``)."""
+    """``"3 distinct: 1 compiled, 2 loaded (2 disk), 0 left as Python, 4.2 s"``; the seconds
+    are the records' own, or since ``start`` (``time.perf_counter()``)."""
     outcomes = Counter(r.outcome for r in records)
     loaded = outcomes[DISK] + outcomes[MEMORY] + outcomes[BUNDLE]
-    sources = (("disk", outcomes[DISK]), ("memory", outcomes[MEMORY]), ("bundle", outcomes[BUNDLE]))
-    where = ", ".join(f"{n} from {label}" for label, n in sources if n)
+    where = ", ".join(f"{outcomes[o]} {o}" for o in (DISK, MEMORY, BUNDLE) if outcomes[o])
     seconds = time.perf_counter() - start if start is not None else sum(r.seconds for r in records)
     return (
-        f"{len(records)} distinct pieces: {outcomes[COMPILED]} compiled, {loaded} loaded"
+        f"{len(records)} distinct: {outcomes[COMPILED]} compiled, {loaded} loaded"
         f"{f' ({where})' if where else ''}, {outcomes[EAGER]} left as Python, {seconds:.1f} s"
     )
 
