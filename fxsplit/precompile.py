@@ -23,7 +23,14 @@ import pickle
 from dataclasses import dataclass, field
 
 import torch
-from torch._dynamo.aot_compile_types import SerializableCallable
+
+try:
+    from torch._dynamo.aot_compile_types import SerializableCallable
+except ImportError:  # older torch keeps it in aot_compile, or has no precompile
+    try:
+        from torch._dynamo.aot_compile import SerializableCallable
+    except ImportError:
+        SerializableCallable = object
 
 FORMAT = 1
 # Node meta fxsplit reads after the split: example values, region annotations, module stacks,
@@ -39,7 +46,7 @@ class PrecompileError(RuntimeError):
 def active() -> bool:
     """Whether the graph being compiled is being precompiled (``aot_compile``: PyTorch then
     bundles AOTAutograd's artifacts, its switch for precompile)."""
-    return bool(torch._functorch.config.bundled_autograd_cache)
+    return bool(getattr(torch._functorch.config, "bundled_autograd_cache", False))
 
 
 @dataclass(frozen=True)

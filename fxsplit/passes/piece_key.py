@@ -103,22 +103,28 @@ def key(piece: piece_graph.PieceGraph, dynamic: str, device: str, objects: tuple
     return Key(_digest(*parts), why is None, why, tag)
 
 
+# What precompile switches on (aot_compile, loading a precompiled function), off again.
+_PRECOMPILE_SWITCHES = (
+    (torch._functorch.config, "bundled_autograd_cache"),
+    (torch._functorch.config, "strict_autograd_cache"),
+    (torch._functorch.config, "bypass_autograd_cache_key"),
+    (torch._functorch.config, "force_autograd_cache"),
+    (torch._functorch.config, "force_non_lazy_backward_lowering"),
+    (torch._inductor.config, "enable_autograd_for_aot"),
+)
+
+
 @contextlib.contextmanager
 def standalone() -> Iterator[None]:
     """Key and compile a piece as a standalone artifact, the same whether or not its frame is
     being precompiled or was loaded precompiled: ``aot_compile`` switches AOTAutograd's cache
     to bundled, strict entries with throwaway keys, and loading one turns on Inductor's
-    ``enable_autograd_for_aot``; both would enter the key."""
-    with (
-        torch._functorch.config.patch(
-            bundled_autograd_cache=False,
-            strict_autograd_cache=False,
-            bypass_autograd_cache_key=False,
-            force_autograd_cache=False,
-            force_non_lazy_backward_lowering=False,
-        ),
-        torch._inductor.config.patch(enable_autograd_for_aot=False),
-    ):
+    ``enable_autograd_for_aot``; both would enter the key. (Settings this torch lacks are
+    left alone.)"""
+    with contextlib.ExitStack() as stack:
+        for config, name in _PRECOMPILE_SWITCHES:
+            if hasattr(config, name):
+                stack.enter_context(config.patch(name, False))
         yield
 
 
