@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import cache, counters, trace
+from fxsplit import cache, counters, precompile, trace
 from fxsplit.config import Config
 from fxsplit.config_checks import ConfigChecks, WarnOnSecondCall
 from fxsplit.distributed import check_ranks
@@ -99,6 +99,32 @@ class Backend:
                 "fxsplit's own settings as options={...}"
             )
         config = Config.from_options(options, base=self.config) if options else self.config
+        frame = _frame()
+        if not precompile.active():
+            return self.build(gm, example_inputs, config, frame)
+        precompile.restore_graphargs(gm, example_inputs)
+        state = precompile.capture(gm, config, frame)  # before the split edits the graph
+        compiled = self.build(gm, example_inputs, config, frame)
+        precompile.add_pieces(
+            state, self.compiled[-1].compiled_pieces, cache.cache_dir(config.cache_dir)
+        )
+        return precompile.Precompiled(compiled, state)
+
+    def build(
+        self,
+        gm: GraphModule,
+        example_inputs: Sequence[object],
+        config: Config,
+        frame: Frame | None,
+        bundle: dict[str, bytes] | None = None,
+    ) -> Callable:
+        """Split ``gm`` under ``config`` and return the callable that runs it (what
+        :meth:`__call__` does once it has the options and the frame; a precompiled graph
+        loads through it, with its ``bundle`` of compiled pieces).
+
+        Raises:
+            fxsplit.distributed.RankMismatchError: see :meth:`__call__`.
+        """
         mode, device = _capture_mode(config.capture, example_inputs)  # fail before any work
         if mode == "off" and config.binding == "strict":
             mode = "check"  # nothing captured; persistent inputs checked as a capture would
@@ -115,7 +141,6 @@ class Backend:
             config.eager_modules,
             config.active_presets,
         )
-        frame = _frame()
         policy.set_root(frame.root if frame is not None else None)
         # The split allocates many small objects while a large graph is alive; cyclic GC passes
         # over that graph would dominate its cost.
@@ -135,21 +160,14 @@ class Backend:
                 gc.enable()
         cuda = _cuda_device(example_inputs)
         if inductor.resolve(config.compile_pieces, cuda) == "inductor":
-            try:
-                result.compiled_pieces = inductor.compile_pieces(
-                    result,
-                    cuda,
-                    cache.cache_dir(config.cache_dir),
-                    torch.is_grad_enabled(),
-                    *_traced_size(result, example_inputs, frame, config),
-                )
-            except inductor.RestartAnalysis:
-                # Dynamo traces the frame again (a float specialised) and calls us again:
-                # this graph never existed.
-                with self._lock:
-                    if self._count == int(graph_id.rpartition("_")[2]) + 1:
-                        self._count -= 1
-                raise
+            result.compiled_pieces = inductor.compile_pieces(
+                result,
+                cuda,
+                cache.cache_dir(config.cache_dir),
+                torch.is_grad_enabled(),
+                *_traced_size(result, example_inputs, frame, config),
+                bundle=bundle,
+            )
         plan = result.plan
         self.checks.note(policy, config, plan, result.marks)
         self.plans.append(plan)
@@ -268,16 +286,17 @@ def _close_sessions(sessions: list[CaptureSession]) -> None:
 
 
 def _frame() -> Frame | None:
-    """The frame Dynamo is compiling (the backend runs inside Dynamo's translation of it);
-    None outside Dynamo or where its internals differ."""
+    """The frame Dynamo is compiling (the backend runs inside Dynamo's translation of it, or
+    right after it under ``aot_compile``); None outside Dynamo or where its internals
+    differ."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         tx = InstructionTranslator.current_tx()
         code = tx.f_code
         receiver = tx.f_locals.get("self")
-    except Exception:  # not under Dynamo (a direct backend call), or another torch layout
-        return None
+    except Exception:  # not under Dynamo's tracer: aot_compile, a direct call, another torch
+        return _precompiled_frame()
     count = code.co_argcount + code.co_kwonlyargcount
     # Dynamo names the functions that resume a frame after a graph break this way.
     resumed = code.co_name.startswith("torch_dynamo_resume_in_")
@@ -307,6 +326,27 @@ def _method_owner(code, f_locals) -> torch.nn.Module | None:
         if any(getattr(f, "__code__", None) is code for f in vars(cls).values()):
             return first
     return None
+
+
+def _precompiled_frame() -> Frame | None:
+    """The frame ``torch._dynamo.aot_compile.aot_compile_fullgraph`` (on the stack) compiles:
+    its ``model`` argument, a function or a bound method."""
+    try:
+        from torch._dynamo.aot_compile import aot_compile_fullgraph
+    except ImportError:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not aot_compile_fullgraph.__code__:
+        frame = frame.f_back
+    fn = frame.f_locals.get("model") if frame is not None else None
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if code is None:
+        return None
+    receiver = getattr(fn, "__self__", None)
+    root = type(receiver) if isinstance(receiver, torch.nn.Module) else None
+    count = code.co_argcount + code.co_kwonlyargcount
+    name = root.__name__ if root is not None else code.co_name
+    return Frame(tuple(code.co_varnames[:count]), False, root, name, False)
 
 
 def _traced_size(result: Split, example_inputs, frame: Frame | None, config: Config):

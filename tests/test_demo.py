@@ -6,6 +6,7 @@ replay."""
 from __future__ import annotations
 
 import io
+import logging
 
 import pytest
 
@@ -84,11 +85,29 @@ def test_demo_tp_below_one_is_a_usage_error(capsys):
 def test_demo_decode_with_inductor_pieces_is_within_tolerance(runner, tmp_path, monkeypatch):
     monkeypatch.setenv("FXSPLIT_CACHE_DIR", str(tmp_path))
     out = io.StringIO()
-    assert demo._deepseek(Console(file=out, width=80), runner, "inductor")
+    warned = _Records()
+    inductor_log = logging.getLogger("torch._inductor")
+    inductor_log.addHandler(warned)
+    try:
+        assert demo._deepseek(Console(file=out, width=80), runner, "inductor")
+    finally:
+        inductor_log.removeHandler(warned)
     assert "NO" not in out.getvalue()
     snapshot = fxsplit.counters.snapshot()
     assert snapshot["replays"] > 0
     assert snapshot["pieces_compiled"] + snapshot["piece_cache_hits"] > 0
+    assert "compiled pieces: 3 distinct: " in out.getvalue()
+    # Inductor could pickle every key (no cyclic SymFloat in it), so it cached every piece
+    assert not [m for m in warned.messages if "Failed to pickle cache key" in m]
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def test_demo_model_unknown_architecture_exits_2_listing_the_known_ones(capsys):

@@ -8,11 +8,9 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit import cache, counters
+from fxsplit import counters
 from fxsplit.passes import inductor
-from fxsplit.tools import cli
 from tests.stack import Stack
-from tests.warned import warned_at
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
@@ -69,24 +67,6 @@ def test_warm_start_compiles_nothing(cache_root):
     assert counters.snapshot()["pieces_compiled"] == 0
     assert counters.snapshot()["piece_cache_hits"] == 3
     assert {r.outcome for r in backend.compiled[0].compiled_pieces} == {"disk"}
-
-
-def test_corrupt_entry_is_recompiled_with_one_warning(tmp_path):
-    inductor.forget()  # compiled again, so stored in this folder
-    _run(Stack(1), tmp_path, sizes=(3,))
-    entries = sorted((tmp_path / "pieces").glob("*.bin"))
-    assert entries
-    for entry in entries:
-        entry.write_bytes(b"not an artifact")
-    inductor.forget()
-    torch._dynamo.reset()
-    counters.reset()
-    with pytest.warns(fxsplit.FxsplitRuntimeWarning, match="could not be loaded") as caught:
-        _run(Stack(1), tmp_path, sizes=(3, 5))
-    # at compile time, at the line that called the compiled model
-    line = "torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)"
-    assert warned_at(caught) == [("test_inductor.py", line)] * len(entries)
-    assert counters.snapshot()["pieces_compiled"] == len(entries)
 
 
 @torch.library.custom_op("fxsplit_inductortest::write_rows", mutates_args=("cache",))
@@ -146,24 +126,6 @@ def test_auto_compiles_only_on_gpus():
     assert inductor.resolve("auto", None) == "eager"
     assert inductor.resolve("auto", torch.device("cuda", 0)) == "inductor"
     assert inductor.resolve("inductor", None) == "inductor"
-
-
-def test_cache_command_reports_and_clears(tmp_path, capsys):
-    (tmp_path / "pieces").mkdir()
-    (tmp_path / "pieces" / "a.bin").write_bytes(b"x" * 100)
-    assert cli.main(["cache", "info", "--cache-dir", str(tmp_path)]) == 0
-    assert "1 compiled pieces" in capsys.readouterr().out
-    assert cli.main(["cache", "clear", "--cache-dir", str(tmp_path)]) == 0
-    assert cache.info(tmp_path) == (0, 0)
-
-
-def test_cache_dir_defaults(monkeypatch, tmp_path):
-    monkeypatch.setenv(cache.ENV, str(tmp_path))
-    assert cache.cache_dir() == tmp_path
-    monkeypatch.delenv(cache.ENV)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache.cache_dir() == tmp_path / "xdg" / "fxsplit"
-    assert cache.cache_dir("/elsewhere") == cache.cache_dir("/elsewhere")
 
 
 def test_bad_compile_pieces_value_is_rejected():
@@ -349,3 +311,103 @@ def test_outputs_viewing_one_another_stay_generated_python(cache_root):
             torch.testing.assert_close(compiled(x, n), model(x, n), **TOLERANCE)
     first = backend.compiled[0].compiled_pieces[0]
     assert first.outcome == "eager" and "share storage" in first.reason
+
+
+# ------------------------------------------------------------------------------- floats
+
+
+class _Scaled(torch.nn.Module):
+    """A float argument (``scale``) next to floats constant for the frame (the norm's
+    ``eps``, ``self.shift``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.RMSNorm(8, eps=1e-5)
+        self.shift = 0.25
+
+    def forward(self, x, scale: float):
+        h = self.norm(self.proj(x)) * scale + self.shift
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.softmax(-1)
+        return torch.sin(h * scale)
+
+
+def _compile_spy(monkeypatch) -> list:
+    calls = []
+    original = inductor.compile_pieces
+
+    def spy(split, *args, **kwargs):
+        calls.append(split.plan.graph_id)
+        return original(split, *args, **kwargs)
+
+    monkeypatch.setattr(inductor, "compile_pieces", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_float_argument_keeps_its_pieces_compiled_across_values(cache_root, monkeypatch, dynamic):
+    calls = _compile_spy(monkeypatch)
+    model = _Scaled()
+    backend = fxsplit.Backend(
+        compile_pieces="inductor", capture="emulate", cache_dir=str(cache_root)
+    )
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for i in range(20):
+            scale = 0.5 + 0.1 * i
+            torch.testing.assert_close(compiled(x, scale), model(x, scale), **TOLERANCE)
+    # dynamic=None: one graph for the first value, one with the float symbolic; each traced
+    # once (constant floats need no retrace), its pieces all compiled
+    graphs = 2 if dynamic is None else 1
+    assert len(calls) == len(backend.compiled) == graphs
+    assert counters.snapshot()["uncaptured_runs"] == 40  # each value a capture key of its own
+    for split in backend.compiled:
+        assert {r.outcome for r in split.compiled_pieces} <= {"compiled", "memory", "disk"}
+    last = backend.compiled[-1].materialised.pieces[0].forward
+    assert isinstance(last, inductor.InductorPiece) and last.inputs.floats
+
+
+def test_a_constant_float_is_baked_in_and_guarded(cache_root, monkeypatch):
+    calls = _compile_spy(monkeypatch)
+    model = _Scaled()
+    backend = fxsplit.Backend(compile_pieces="inductor", capture="off", cache_dir=str(cache_root))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, 0.5), model(x, 0.5), **TOLERANCE)
+        model.shift = 2.0  # fails the guard on the baked-in value: a new graph
+        torch.testing.assert_close(compiled(x, 0.5), model(x, 0.5), **TOLERANCE)
+    assert len(calls) == len(backend.compiled) == 2
+
+
+class _Clamped(torch.nn.Module):
+    """A float argument used where AOTAutograd cannot turn it into tensor arithmetic (a
+    clamp bound)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, limit: float):
+        h = torch.clamp(self.proj(x), max=limit)
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.softmax(-1)
+        return torch.sin(h)
+
+
+def test_a_float_argument_inductor_cannot_take_leaves_its_piece_python(cache_root):
+    model = _Clamped()
+    backend = fxsplit.Backend(compile_pieces="inductor", capture="off", cache_dir=str(cache_root))
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for limit in (0.1, 0.2, 0.3):
+            torch.testing.assert_close(compiled(x, limit), model(x, limit), **TOLERANCE)
+    assert len(backend.compiled) == 1
+    first, last = backend.compiled[0].compiled_pieces
+    assert first.outcome == "eager" and "float argument L['limit'] reaches" in first.reason
+    assert last.outcome in ("compiled", "memory", "disk")

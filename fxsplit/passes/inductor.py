@@ -9,12 +9,14 @@ growing with depth.
 Each distinct piece is compiled through ``torch._inductor.standalone_compile`` (AOTAutograd's
 functionalization, then Inductor: Triton kernels on GPUs, C++ on the CPU; Inductor's own CUDA
 graphs off, fxsplit captures), with the dynamic sizes Dynamo traced (one symbolic compile per
-piece). Artifacts are kept in memory for the process and on disk (:mod:`fxsplit.cache`) for
-later runs. Pieces Inductor should not compile keep their generated Python, with the reason
-recorded: pieces that re-enter global state across a boundary, draw random numbers (Inductor's
-generator would give other numbers than eager), take non-tensor inputs other than sizes (the
-subgraphs of higher-order ops), return nothing or non-tensors, or read tensors that require
-grad; and any piece Inductor fails on (remembered, in memory and on disk, so it is tried once).
+piece; floats as :mod:`fxsplit.passes.piece_graph` describes). Artifacts are kept in memory for
+the process and on disk (:mod:`fxsplit.cache`) for later runs, under the key of
+:mod:`fxsplit.passes.piece_key`. Pieces Inductor should not compile keep their generated Python,
+with the reason recorded: pieces that re-enter global state across a boundary, draw random
+numbers (Inductor's generator would give other numbers than eager), take non-tensor inputs
+other than sizes (the subgraphs of higher-order ops), return nothing or non-tensors, or read
+tensors that require grad; and any piece Inductor fails on (remembered, in memory and on disk,
+so it is tried once).
 """
 
 from __future__ import annotations
@@ -23,25 +25,25 @@ import contextlib
 import logging
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import sympy
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Node
 
 from fxsplit import cache, counters
-from fxsplit.passes import global_state, partition
-from fxsplit.runtime import emulator
+from fxsplit.passes import global_state, partition, piece_graph, piece_key
 
 log = logging.getLogger("fxsplit")
 
 COMPILE_MODES = ("auto", "inductor", "eager")
 
-# Inductor asks Dynamo to trace the frame again with a float input specialised (its
-# tensorify pass); only Dynamo can, so it must reach Dynamo.
+# What Inductor's pass for Python scalars raises when a float must be specialised.
 RestartAnalysis = torch._dynamo.exc.TensorifyScalarRestartAnalysis
+COMPILED, DISK, MEMORY, BUNDLE, EAGER = "compiled", "disk", "memory", "bundle", "eager"
 
 _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 # Artifacts compiled or loaded in this process, and why Inductor failed, by cache key.
@@ -55,12 +57,15 @@ class CompiledPiece:
 
     Attributes:
         pieces: the pieces sharing it, in order (the first is the one compiled).
-        outcome: ``"compiled"`` (by Inductor now), ``"disk"`` / ``"memory"`` (cache hits) or
-            ``"eager"`` (kept as generated Python; see ``reason``).
+        outcome: ``"compiled"`` (by Inductor now), ``"disk"`` / ``"memory"`` (cache hits),
+            ``"bundle"`` (loaded with a precompiled graph) or ``"eager"`` (kept as generated
+            Python; see ``reason``).
         seconds: wall time of the compile or load.
         reason: why it stayed eager; None otherwise.
         output_code: Inductor's generated wrapper code, where this process generated it.
-        key: the cache key (None when eager).
+        key: the cache key (:class:`fxsplit.passes.piece_key.Key` name; None when eager or
+            loaded with a precompiled graph).
+        identity: the piece within its graph (:func:`fxsplit.passes.piece_key.identity`).
     """
 
     pieces: tuple[str, ...]
@@ -69,6 +74,7 @@ class CompiledPiece:
     reason: str | None = None
     output_code: str | None = None
     key: str | None = None
+    identity: str | None = None
 
 
 class InductorPiece:
@@ -79,26 +85,35 @@ class InductorPiece:
         artifact: the compiled callable (returns a list of outputs), symbolic in the sizes.
         eager: the piece's generated Python (capture-legality checks run it, see
             :mod:`fxsplit.runtime.captured`).
-        size_arg / sized: with ``compile_sizes``, the argument carrying the token count (a
-            tensor's leading dim, or the size itself) and the artifact compiled for each size.
+        inputs: how the piece's arguments become the artifact's (a float argument as a 0-dim
+            tensor, a specialised float left out: :class:`fxsplit.passes.piece_graph.Inputs`);
+            None when they are the same.
+        size_arg / sized: with ``compile_sizes``, the argument of the artifact carrying the
+            token count (a tensor's leading dim, or the size itself) and the artifact compiled
+            for each size.
     """
 
-    __slots__ = ("artifact", "eager", "name", "single", "size_arg", "sized")
+    __slots__ = ("artifact", "eager", "inputs", "name", "single", "size_arg", "sized")
 
-    def __init__(self, artifact, eager, single: bool, name: str, size_arg=None, sized=None):
+    def __init__(
+        self, artifact, eager, single: bool, name: str, inputs=None, size_arg=None, sized=None
+    ):
         self.artifact = artifact
         self.eager = eager
         self.single = single
         self.name = name
+        self.inputs = inputs
         self.size_arg = size_arg
         self.sized = sized
 
     def __call__(self, *args):
+        if self.inputs is not None:
+            args = self.inputs(args)
         artifact = self.artifact
         if self.sized:
             size = args[self.size_arg]
             artifact = self.sized.get(size if type(size) is int else size.shape[0], artifact)
-        out = emulator.call_opaque(artifact, args)
+        out = artifact(*args)
         return out[0] if self.single else tuple(out)
 
     def __repr__(self) -> str:
@@ -126,11 +141,13 @@ def compile_pieces(
     grad_at_entry: bool,
     size: object = None,
     sizes: tuple[int, ...] = (),
+    bundle: dict[str, bytes] | None = None,
 ) -> list[CompiledPiece]:
     """Compile every distinct captured piece of ``split`` and make its pieces run the result.
 
     Replaces ``forward`` of each compiled :class:`~fxsplit.passes.materialise.PieceModule` with
-    an :class:`InductorPiece`. Plans do not change.
+    an :class:`InductorPiece`. Plans do not change. Logs one INFO line: how many distinct
+    pieces were compiled, loaded or left as generated Python, and the seconds it took.
 
     Args:
         split: the :class:`fxsplit.passes.Split` of one graph.
@@ -140,172 +157,201 @@ def compile_pieces(
         size: the token count as Dynamo traced it (the leading dim of the size input: a SymInt
             when dynamic), for ``sizes``.
         sizes: the ``compile_sizes`` option: token counts that get a compile of their own.
+        bundle: a precompiled graph's compiled pieces (Inductor's artifacts by
+            :func:`fxsplit.passes.piece_key.identity`: :mod:`fxsplit.precompile`), loaded
+            without keys or guards, as they were compiled; the rest as usual.
 
     Returns:
         one :class:`CompiledPiece` per distinct captured piece, in graph order.
     """
+    start = time.perf_counter()
     gm = split.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
+    floats = piece_graph.float_sources(gm)
     groups: dict[tuple, list[int]] = {}
     for i, (part, module) in enumerate(zip(split.parts, split.materialised.pieces, strict=True)):
         if part.kind == partition.CAPTURED:
             examples = [nodes[name].meta.get("example_value") for name in module.input_names]
-            layouts = (_layouts(examples), _assumptions(examples))
+            layouts = (
+                piece_graph.layouts(examples),
+                piece_graph.assumptions(examples),
+                piece_graph.constants(examples, floats),
+            )
             groups.setdefault((module.shared_code, layouts), []).append(i)
-    _specialise_floats(split, groups, nodes, grad_at_entry)
     disk = cache.PieceCache(cache_root)
     kind = cache.device_kind(device)
+    context = torch._guards.TracingContext.try_get()
+    dynamic = "from_tracing_context" if context is not None else "from_graph"
     results = []
-    for (_, layouts), members in _progress(groups.items(), split.plan.graph_id):
+    for (code, layouts), members in _progress(groups.items(), split.plan.graph_id):
         first = split.materialised.pieces[members[0]]
+        part_nodes = split.parts[members[0]].nodes
         names = tuple(split.materialised.pieces[i].name for i in members)
         reason = _not_compiled(split, members[0], nodes, grad_at_entry)
+        piece = None
+        if reason is None:
+            # a precompiled frame's guards were built when it was compiled
+            piece = piece_graph.build(gm, part_nodes, first, nodes, floats, guard=bundle is None)
+            reason = piece.reason
         if reason is not None:
-            results.append(CompiledPiece(names, "eager", reason=reason))
+            results.append(CompiledPiece(names, EAGER, reason=reason))
             continue
-        piece_gm, examples = _piece_graph(gm, split.parts[members[0]].nodes, first, nodes)
-        objects, portable = _objects(split.parts[members[0]].nodes, gm)
-        key = cache.key(piece_gm.code, layouts, kind)
-        # Objects the code names but does not identify (a closure, a module) key by identity,
-        # in memory only: another process may hold other objects under the same names.
-        if objects:
-            key = f"{key}-{'-'.join(map(str, objects))}"
-        result = _compile(piece_gm, examples, key, disk if portable else None)
-        results.append(CompiledPiece(names, *result))
-        if result[0] == "eager":
-            continue
-        artifact = _MEMORY[result[-1]]
-        size_arg, sized = _specialise(
-            piece_gm, examples, layouts, key, disk if portable else None, size, sizes
-        )
+        identity = piece_key.identity(code, layouts)
+        loading = time.perf_counter()
+        artifact, size_arg, sized = _from_bundle(bundle, identity), None, None
+        if artifact is not None:
+            seconds = time.perf_counter() - loading
+            results.append(CompiledPiece(names, BUNDLE, seconds, identity=identity))
+        if artifact is None or sizes:
+            key = piece_key.key(piece, dynamic, kind, piece_graph.objects(part_nodes, gm))
+            store = disk if key.portable else None
+            if not key.portable:
+                log.debug("fxsplit: %s is cached in memory only: %s", names[0], key.why)
+        if artifact is None:
+            result = _compile(piece, key, store, dynamic)
+            results.append(CompiledPiece(names, *result, identity=identity))
+            if result[0] == EAGER:
+                continue
+            artifact = _MEMORY[key.name]
+        if sizes:
+            size_arg, sized = _specialise(piece, key, store, size, sizes)
         for i in members:
             module = split.materialised.pieces[i]
-            single = len(module.output_names) == 1
             module.forward = InductorPiece(
-                artifact, module.forward, single, module.name, size_arg, sized
+                artifact,
+                module.forward,
+                len(module.output_names) == 1,
+                module.name,
+                piece.inputs,
+                size_arg,
+                sized,
             )
     for record in results:
-        if record.outcome == "eager":
+        if record.outcome == EAGER:
             log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
+    if results:
+        log.info("fxsplit %s compiled pieces: %s", split.plan.graph_id, summary(results, start))
     return results
 
 
-def _compile(
-    piece_gm, examples, key: str, disk: cache.PieceCache | None, dynamic: str | None = None
-):
+def summary(records: list[CompiledPiece], start: float | None = None) -> str:
+    """``"3 distinct: 1 compiled, 2 loaded (2 disk), 0 left as Python, 4.2 s"``; the seconds
+    are the records' own, or since ``start`` (``time.perf_counter()``)."""
+    outcomes = Counter(r.outcome for r in records)
+    loaded = outcomes[DISK] + outcomes[MEMORY] + outcomes[BUNDLE]
+    where = ", ".join(f"{outcomes[o]} {o}" for o in (DISK, MEMORY, BUNDLE) if outcomes[o])
+    seconds = time.perf_counter() - start if start is not None else sum(r.seconds for r in records)
+    return (
+        f"{len(records)} distinct: {outcomes[COMPILED]} compiled, {loaded} loaded"
+        f"{f' ({where})' if where else ''}, {outcomes[EAGER]} left as Python, {seconds:.1f} s"
+    )
+
+
+def _from_bundle(bundle, identity: str):
+    """The artifact of a precompiled graph's piece; None where the bundle lacks it or Inductor
+    cannot read it (the piece is then looked up or compiled as usual)."""
+    if not bundle or identity not in bundle:
+        return None
+    try:
+        artifact = cache.load_artifact(bundle[identity])
+    except Exception as error:
+        log.info("fxsplit: a precompiled piece could not be loaded (%s); compiling", error)
+        return None
+    counters.totals["piece_cache_hits"] += 1
+    return artifact
+
+
+def _compile(piece: piece_graph.PieceGraph, found: piece_key.Key, disk, dynamic: str):
     """(outcome, seconds, reason, output_code, key) for one distinct piece; ``disk`` None keeps
-    it in memory only; ``dynamic`` is standalone_compile's ``dynamic_shapes`` (default:
-    Dynamo's symbolic sizes)."""
+    it in memory only; ``dynamic`` is standalone_compile's ``dynamic_shapes``."""
     start = time.perf_counter()
+    key = found.name
     if key in _MEMORY:
         counters.totals["piece_cache_hits"] += 1
-        return "memory", 0.0, None, None, key
+        return MEMORY, 0.0, None, None, key
     failed = _FAILED.get(key) or (disk.failure(key) if disk is not None else None)
     if failed is not None:
         _FAILED[key] = failed
-        return "eager", 0.0, failed, None, None
+        return EAGER, 0.0, failed, None, None
     artifact = disk.load(key) if disk is not None else None
     if artifact is not None:
         _MEMORY[key] = artifact
         counters.totals["piece_cache_hits"] += 1
-        return "disk", time.perf_counter() - start, None, None, key
+        return DISK, time.perf_counter() - start, None, None, key
     from torch._inductor import standalone_compile
 
-    if dynamic is None:
-        context = torch._guards.TracingContext.try_get()
-        dynamic = "from_tracing_context" if context is not None else "from_graph"
     try:
-        with _output_code() as code, torch.no_grad():
+        with (
+            _output_code() as code,
+            _other_floats_settled(piece),
+            found.tagged(),
+            piece_key.standalone(),
+            torch.no_grad(),
+        ):
             artifact = standalone_compile(
-                piece_gm,
-                examples,
+                piece.graph_module,
+                piece.examples,
                 dynamic_shapes=dynamic,
                 options={"config_patches": {"triton.cudagraphs": False}},
             )
     except RestartAnalysis:
-        raise
+        reason = (
+            "Inductor cannot keep its float arguments symbolic "
+            f"({', '.join(sorted(piece.float_symbols))})"
+        )
+        return _failed(key, disk, reason, start)
     except Exception as error:  # Inductor cannot compile it: keep the generated Python
         first_line = next(iter(str(error).splitlines()), "")
+        log.debug("fxsplit: Inductor failed on %s", piece.graph_module, exc_info=True)
         reason = f"Inductor failed: {type(error).__name__}: {first_line}"
-        log.debug("fxsplit: Inductor failed on %s", piece_gm, exc_info=True)
-        _FAILED[key] = reason
-        if disk is not None:
-            disk.save_failure(key, reason)
-        return "eager", time.perf_counter() - start, reason, None, None
+        return _failed(key, disk, reason, start)
     _MEMORY[key] = artifact
     if disk is not None:
         disk.save(key, artifact)
     counters.totals["pieces_compiled"] += 1
-    return "compiled", time.perf_counter() - start, None, "\n\n".join(code) or None, key
+    return COMPILED, time.perf_counter() - start, None, "\n\n".join(code) or None, key
 
 
-_LIBRARIES = ("torch", "_operator", "operator", "math", "builtins")
-_LITERALS = (int, float, bool, complex, str, type(None), slice, torch.dtype, torch.device)
-_LITERALS += (torch.layout, torch.memory_format, torch.Size, type(Ellipsis))
+def _failed(key: str, disk, reason: str, start: float):
+    """Remember that Inductor fails on ``key`` (in memory and on disk): tried once."""
+    _FAILED[key] = reason
+    if disk is not None:
+        disk.save_failure(key, reason)
+    return EAGER, time.perf_counter() - start, reason, None, None
 
 
-def _objects(part_nodes, gm: GraphModule) -> tuple[tuple[int, ...], bool]:
-    """(ids of the objects the piece's code names without identifying them, whether its code
-    alone identifies the piece across processes). Ops and torch's functions are identified by
-    their qualified names; a user function (``allow_in_graph``), a submodule or a constant
-    object is printed by name or repr, which two different objects can share."""
-    found: list[int] = []
-
-    def visit(value):
-        if not isinstance(value, (Node, *_LITERALS)):
-            found.append(id(value))
-        return value
-
-    for node in part_nodes:
-        target = node.target
-        if node.op == "call_module":
-            found.append(id(gm.get_submodule(target)))
-        elif node.op == "call_function" and not isinstance(
-            target,
-            (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator),
-        ):
-            module = getattr(target, "__module__", None) or ""
-            if module.split(".")[0] not in _LIBRARIES:
-                found.append(id(target))
-        torch.fx.node.map_aggregate((node.args, node.kwargs), visit)
-    return tuple(found), not found
-
-
-def _specialise_floats(split, groups, nodes, grad_at_entry: bool) -> None:
-    """Ask Dynamo, once, to trace again with every symbolic float that a piece to compile
-    reads made a constant.
-
-    Dynamo lifts Python float attributes (a norm's ``eps``, an attention scale) to symbolic
-    floats; Inductor cannot compile them and asks Dynamo to retrace with the one it met
-    specialised, one compile at a time (a retrace of the whole frame per float, with the
-    compiles before it wasted). Naming them all before any compile costs one retrace. Pass
-    ``torch._dynamo.config.specialize_float=True`` to avoid even that one.
-
-    Raises:
-        RestartAnalysis: there are such floats not yet specialised (Dynamo catches it).
-    """
+@contextlib.contextmanager
+def _other_floats_settled(piece: piece_graph.PieceGraph) -> Iterator[None]:
+    """Inductor's pass for Python scalars asks Dynamo to trace the frame again with every
+    symbolic float of the frame it did not turn into tensor arithmetic specialised: here,
+    the floats of the frame's other pieces too. For the length of one compile, mark those as
+    settled (Dynamo's own record of floats to specialise, restored afterwards), so only the
+    piece's own float arguments can make it give up."""
     from torch._dynamo.symbolic_convert import TensorifyState
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
 
-    floats = set()
-    for members in groups.values():
-        if _not_compiled(split, members[0], nodes, grad_at_entry) is not None:
-            continue
-        for name in split.materialised.pieces[members[0]].input_names:
-            value = nodes[name].meta.get("example_value")
-            if isinstance(value, torch.SymFloat) and value.node.expr.is_Symbol:
-                floats.add(str(value.node.expr))
-    pending = {f for f in floats if not TensorifyState.should_specialize(f)}
-    if pending:
-        for name in pending:
-            TensorifyState.specialize(name)
-        raise RestartAnalysis
+    context = torch._guards.TracingContext.try_get()
+    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+    saved = set(TensorifyState.force_specializations)
+    if shape_env is not None:
+        # renamed in 2.13
+        values = getattr(shape_env, "backed_var_to_val", None)
+        values = shape_env.var_to_val if values is None else values
+        others = {str(s) for s in values if symbol_is_type(s, SymT.FLOAT)}
+        TensorifyState.force_specializations.update(others - piece.float_symbols)
+    try:
+        yield
+    finally:
+        TensorifyState.force_specializations.clear()
+        TensorifyState.force_specializations.update(saved)
 
 
-def _specialise(piece_gm, examples, layouts, key: str, disk, size, sizes):
+def _specialise(piece: piece_graph.PieceGraph, key: piece_key.Key, disk, size, sizes):
     """(argument index, {size: artifact}) for the ``compile_sizes`` of one piece: compiled on
     concrete inputs, the token count at each size, other sizes at their traced values."""
     if not sizes or not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
         return None, None
+    examples = piece.examples
     symbol = size.node.expr
     size_arg = next(
         (
@@ -321,18 +367,26 @@ def _specialise(piece_gm, examples, layouts, key: str, disk, size, sizes):
         ),
         None,
     )
-    shared = any(isinstance(lay, tuple) and lay[-1] != k for k, lay in enumerate(layouts[0]))
-    if size_arg is None or shared or _symbols(examples) != {symbol}:
-        # no token count here, inputs sharing storage, or other sizes or host values that a
-        # compile for one token count would freeze while the key reads the token count alone
+    layouts = piece_graph.layouts(examples)
+    shared = any(isinstance(lay, tuple) and lay[-1] != k for k, lay in enumerate(layouts))
+    floats = piece.inputs is not None and piece.inputs.floats
+    if size_arg is None or shared or floats or piece_graph.symbols(examples) != {symbol}:
+        # no token count here, inputs sharing storage, float arguments, or other sizes or
+        # host values that a compile for one token count would freeze while the key reads
+        # the token count alone
         return None, None
     sized = {}
     for n in sizes:
-        concrete = [_at(value, symbol, n) for value in examples]
-        sized_key = f"{key}-size{n}"
-        outcome = _compile(piece_gm, concrete, sized_key, disk, dynamic="from_example_inputs")
-        if outcome[0] != "eager":
-            sized[n] = _MEMORY[sized_key]
+        concrete = piece_graph.PieceGraph(
+            piece.graph_module,
+            [_at(value, symbol, n) for value in examples],
+            piece.inputs,
+            piece.float_symbols,
+        )
+        sized_key = key.sized(n)
+        outcome = _compile(concrete, sized_key, disk, "from_example_inputs")
+        if outcome[0] != EAGER:
+            sized[n] = _MEMORY[sized_key.name]
     return size_arg, sized
 
 
@@ -389,92 +443,6 @@ def _not_compiled(split, i: int, nodes: dict[str, Node], grad_at_entry: bool) ->
                 return f"outputs {storages[storage]} and {name} share storage"
             storages[storage] = name
     return None
-
-
-def _piece_graph(gm: GraphModule, part_nodes, module, nodes) -> tuple[GraphModule, list]:
-    """The piece as a GraphModule with canonical names (inputs ``a<i>``, values ``v<j>``), so
-    its code is the same for every layer, and the example values of its inputs."""
-    graph = Graph()
-    env: dict[Node, Node] = {}
-    examples = []
-    for k, name in enumerate(module.input_names):
-        node = nodes[name]
-        env[node] = graph.placeholder(f"a{k}")
-        env[node].meta = _meta(node)
-        examples.append(node.meta["example_value"])
-    for j, node in enumerate(part_nodes):
-        new = graph.create_node(
-            node.op,
-            node.target,
-            torch.fx.map_arg(node.args, env.__getitem__),
-            torch.fx.map_arg(node.kwargs, env.__getitem__),
-            name=f"v{j}",
-        )
-        new.meta = _meta(node)
-        env[node] = new
-    graph.output(tuple(env[nodes[name]] for name in module.output_names))
-    return GraphModule(gm, graph, class_name="FxsplitPiece"), examples
-
-
-def _meta(node: Node) -> dict:
-    """What Inductor reads of a node's meta: its example value. The rest of Dynamo's meta
-    (module stacks, annotations) would enter Inductor's cache key, and some of it does not
-    pickle, which turns Inductor's caches (and so the saved artifact) off."""
-    return {k: node.meta[k] for k in ("example_value", "val") if k in node.meta}
-
-
-def _layouts(examples) -> tuple:
-    """What a compiled piece depends on besides its code, per input: size and stride
-    expressions, offset, dtype, device, and which earlier input shares its storage."""
-    storages: dict[object, int] = {}
-    out = []
-    for k, value in enumerate(examples):
-        if isinstance(value, torch.Tensor):
-            storage = torch.multiprocessing.reductions.StorageWeakRef(value.untyped_storage())
-            shared = storages.setdefault(storage, k)
-            out.append(
-                (
-                    str(tuple(value.shape)),
-                    str(value.stride()),
-                    str(value.storage_offset()),
-                    str(value.dtype),
-                    str(value.device),
-                    value.requires_grad,
-                    shared,
-                )
-            )
-        else:
-            out.append(type(value).__name__)
-    return tuple(out)
-
-
-def _symbolic(examples):
-    """The symbolic sizes, strides, offsets and host values among the inputs."""
-    for value in examples:
-        dims = ()
-        if isinstance(value, torch.Tensor):
-            dims = (*value.shape, *value.stride(), value.storage_offset())
-        elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            dims = (value,)
-        yield from (d for d in dims if isinstance(d, (torch.SymInt, torch.SymFloat, torch.SymBool)))
-
-
-def _symbols(examples) -> set:
-    """The free symbols of the inputs' sizes, strides, offsets and host values."""
-    return {symbol for dim in _symbolic(examples) for symbol in dim.node.expr.free_symbols}
-
-
-def _assumptions(examples) -> tuple[str, ...]:
-    """What Dynamo's shape environment knows about the sizes of ``examples`` (its guards and
-    value ranges on their symbols): Inductor may simplify with it, so an artifact is shared,
-    and found in the cache, only where it is the same."""
-    dim = next(_symbolic(examples), None)
-    if dim is None:
-        return ()
-    shape_env, symbols = dim.node.shape_env, _symbols(examples)
-    guards = sorted(str(g.expr) for g in shape_env.guards if g.expr.free_symbols & symbols)
-    ranges = [f"{s}:{shape_env.var_to_range.get(s)}" for s in sorted(symbols, key=str)]
-    return (*guards, *ranges)
 
 
 def _progress(items, graph_id: str):

@@ -18,6 +18,7 @@ GPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -452,9 +453,12 @@ class CapturedPiece(torch.nn.Module):
         rng = torch.get_rng_state() if emulated and self.random else None
         session.collect_once()
         try:
+            run = self.run_uncaptured
             if emulated and self.check_uncompiled is not None:
                 _check_legality(graph, self.check_uncompiled, statics)
-            outputs = graph.capture(self.run_uncaptured, *statics)
+                # Inductor's CPU kernels bypass the dispatcher: record the piece as one unit
+                run = functools.partial(_opaque, self.run_uncaptured)
+            outputs = graph.capture(run, *statics)
             _refuse_grad(outputs)
         except BaseException:
             for static, copy in saved or ():
@@ -640,6 +644,12 @@ class CapturedPiece(torch.nn.Module):
                     f"{', '.join(moved) or 'none'}"
                 )
         return got
+
+
+def _opaque(fn, *args):
+    from fxsplit.runtime.emulator import call_opaque
+
+    return call_opaque(fn, args)
 
 
 def _check_legality(graph, fn, statics) -> None:

@@ -167,11 +167,18 @@ def _cache(args) -> int:
     from fxsplit import cache
 
     root = cache.cache_dir(args.cache_dir)
-    if args.action == "clear":
-        print(f"deleted {cache.clear(root)} compiled pieces from {root}")
-        return 0
-    entries, size = cache.info(root)
-    print(f"{root}: {entries} compiled pieces, {size / 2**20:.1f} MiB")
+    try:
+        if args.action == "clear":
+            print(f"deleted {cache.clear(root)} cache entries from {root}")
+            return 0
+        found = cache.info(root)
+    except OSError as error:  # missing, or a file
+        print(f"fxsplit cache {args.action}: error: {error}", file=sys.stderr)
+        return 1
+    print(
+        f"{root}: {found['pieces']} compiled pieces, {found['failures']} failure markers, "
+        f"{found['bytes'] / 2**20:.1f} MiB"
+    )
     return 0
 
 

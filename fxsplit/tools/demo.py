@@ -195,7 +195,20 @@ def _deepseek(console: Console, runner: str, compile_pieces: str) -> bool:
         )
     console.print(table)
     console.print(_copies_line(run.backend), highlight=False)
+    _compile_summary(console, _records(run.backend))
     return ok
+
+
+def _records(backend: fxsplit.Backend) -> list:
+    return [r for split in backend.compiled for r in split.compiled_pieces or ()]
+
+
+def _compile_summary(console: Console, records: list) -> None:
+    """One line: the distinct pieces compiled, loaded or left as Python, and the seconds."""
+    from fxsplit.passes import inductor
+
+    if records:
+        console.print(f"compiled pieces: {inductor.summary(records)}", highlight=False)
 
 
 def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
@@ -231,6 +244,7 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
     table.add_column("ok")
     ok = True
     plans: dict[str, tuple[SplitPlan, list[int]]] = {}  # plan text -> (plan, its lengths)
+    records = []
     for seq_len in PREFILL_LENGTHS:
         torch._dynamo.reset()
         model, args = hf_deepseek_v4.example(seq_len=seq_len)
@@ -249,6 +263,7 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
             middle = fxsplit.counters.snapshot()
             got = compiled(*args)  # replays
             after = fxsplit.counters.snapshot()
+        records += _records(backend)
         good, diff = _equal(got, want, _compiles(compile_pieces, device))
         (plan,) = backend.plans
         plans.setdefault(plan.format(), (plan, []))[1].append(seq_len)
@@ -271,6 +286,7 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
             plan_table(plan, _plan_title(plan, f"seq_len {', '.join(map(str, lengths))}"))
         )
     console.print(table)
+    _compile_summary(console, records)
     return ok
 
 

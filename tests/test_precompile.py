@@ -1,0 +1,95 @@
+"""PyTorch's precompile with fxsplit: ``aot_compile`` a model whose backend is fxsplit, save
+it, load it without tracing, and run the same numbers; the compiled pieces travel in the saved
+file (nothing compiled on load, even with the piece cache gone)."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit import counters, precompile
+from fxsplit.passes import inductor
+from tests.stack import Stack
+
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
+
+TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
+
+
+class _Scaled(torch.nn.Module):
+    """A float argument and constant floats (a norm's eps), a parameter, an eager region."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.RMSNorm(8, eps=1e-5)
+
+    def forward(self, x, scale: float):
+        h = self.norm(self.proj(x)) * scale
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.softmax(-1)
+        return torch.sin(h * scale) + x
+
+
+def _aot(model, args, tmp_path, **options):
+    options = {"compile_pieces": "inductor", "cache_dir": str(tmp_path / "cache"), **options}
+    compiled = torch.compile(
+        model.forward, backend="fxsplit", fullgraph=True, dynamic=True, options=options
+    )
+    with torch.no_grad():
+        return compiled.aot_compile((args, {}))
+
+
+def test_a_precompiled_model_loads_without_tracing_or_compiling(tmp_path):
+    model = _Scaled()
+    x = torch.randn(3, 8)
+    path = tmp_path / "model.pt2"
+    _aot(model, (x, 0.5), tmp_path, capture="emulate").save_compiled_function(str(path))
+    assert counters.snapshot()["pieces_compiled"] == 2
+    # a fresh start: nothing in Dynamo's or fxsplit's memory, no piece cache
+    torch._dynamo.reset()
+    inductor.forget()
+    counters.reset()
+    torch._dynamo.utils.counters.clear()
+    shutil.rmtree(tmp_path / "cache")
+    with open(path, "rb") as f:
+        loaded = torch.compiler.load_compiled_function(f, f_globals=globals())
+    with torch.no_grad():
+        for n, scale in [(3, 0.5), (5, 0.7), (5, 0.7), (5, 0.7), (4, 2.0)]:
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(loaded(model, x, scale), model(x, scale), **TOLERANCE)
+    found = counters.snapshot()
+    assert (found["pieces_compiled"], found["piece_cache_hits"]) == (0, 2)
+    assert found["replays"] > 0  # captured, replayed
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing traced
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    assert {r.outcome for r in split.compiled_pieces} == {"bundle"}
+    fxsplit.backend.fxsplit_backend.reset()  # Dynamo's reset knows only the backends it ran
+
+
+def test_the_plan_of_a_precompiled_graph_is_the_plan_of_the_traced_one(tmp_path):
+    model, x = Stack(2), torch.randn(3, 8)
+    backend = fxsplit.Backend(compile_pieces="eager")
+    torch.compile(model, backend=backend, dynamic=True)(x)
+    traced = backend.plans[0].pieces
+    torch._dynamo.reset()
+    aot = _aot(model, (x,), tmp_path, compile_pieces="eager")
+    assert fxsplit.plans()[-1].pieces == traced
+    data = precompile.Precompiled.serialize_compile_artifacts(aot._artifacts.compiled_fn)
+    precompile.Precompiled.deserialize_compile_artifacts(data)
+    assert fxsplit.plans()[-1].pieces == traced
+
+
+def test_another_fxsplit_version_is_refused_naming_both(tmp_path, monkeypatch):
+    model, x = Stack(1), torch.randn(3, 8)
+    aot = _aot(model, (x,), tmp_path, compile_pieces="eager")
+    data = precompile.Precompiled.serialize_compile_artifacts(aot._artifacts.compiled_fn)
+    monkeypatch.setattr(fxsplit, "__version__", "0.0.0-other")
+    with pytest.raises(precompile.PrecompileError, match=r"this is fxsplit 0\.0\.0-other"):
+        precompile.Precompiled.deserialize_compile_artifacts(data)
+    assert pickle.loads(data)[0] == precompile.FORMAT
