@@ -125,97 +125,95 @@ class Backend:
         Raises:
             fxsplit.distributed.RankMismatchError: see :meth:`__call__`.
         """
-        mode, device = _capture_mode(config.capture, example_inputs)  # fail before any work
-        if mode == "off" and config.binding == "strict":
-            mode = "check"  # nothing captured; persistent inputs checked as a capture would
+        mode, device = _run_mode(config, example_inputs)  # fail before any work
+        graph_id = self._next_graph_id()
+        graph_code = gm.code if config.dump_folder else ""  # the split edits the graph in place
+        policy = _policy(config, frame)
+        result = _split(gm, policy, config, graph_id, mode)
+        self._compile_pieces(result, config, example_inputs, frame, bundle)
+        self._record(result, policy, config)
+        if config.check_ranks:  # before anything can capture
+            check_ranks(graph_id, result.plan, result.graph_module, result.compiled_pieces)
+        runtime = self._runtime(result, config, mode, device, example_inputs, frame)
+        self._dump(result, config, graph_code, example_inputs, frame, runtime)
+        compiled = runtime if runtime is not None else result.materialised.stitched.forward
+        if self.checks.pending:
+            return WarnOnSecondCall(compiled, self.checks.warn)
+        return compiled
+
+    def _next_graph_id(self) -> str:
         with self._lock:
             graph_id = f"graph_{self._count}"
             self._count += 1
-        dump_root = config.dump_folder
-        graph_code = gm.code if dump_root else ""  # the split edits the graph in place
-        runner = config.runner_policy
-        policy = Policy.build(
-            runner,
-            config.splitting_ops,
-            config.module_regions,
-            config.eager_modules,
-            config.active_presets,
-        )
-        policy.set_root(frame.root if frame is not None else None)
-        # The split allocates many small objects while a large graph is alive; cyclic GC passes
-        # over that graph would dominate its cost.
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            result = split(
-                gm,
-                policy,
-                graph_id=graph_id,
-                runner=runner.name,
-                grad_at_entry=torch.is_grad_enabled(),
-                analyse=mode != "off" or bool(dump_root),
-            )
-        finally:
-            if gc_was_enabled:
-                gc.enable()
+        return graph_id
+
+    def _compile_pieces(self, result: Split, config: Config, example_inputs, frame, bundle):
+        """Compile the distinct captured pieces with Inductor where ``compile_pieces`` says so
+        (from ``bundle`` when a precompiled graph loads)."""
         cuda = _cuda_device(example_inputs)
-        if inductor.resolve(config.compile_pieces, cuda) == "inductor":
-            result.compiled_pieces = inductor.compile_pieces(
-                result,
-                cuda,
-                cache.cache_dir(config.cache_dir),
-                torch.is_grad_enabled(),
-                *_traced_size(result, example_inputs, frame, config),
-                bundle=bundle,
-            )
+        if inductor.resolve(config.compile_pieces, cuda) != "inductor":
+            return
+        result.compiled_pieces = inductor.compile_pieces(
+            result,
+            cuda,
+            cache.cache_dir(config.cache_dir),
+            torch.is_grad_enabled(),
+            *_traced_size(result, example_inputs, frame, config),
+            bundle=bundle,
+        )
+
+    def _record(self, result: Split, policy: Policy, config: Config) -> None:
+        """Keep the plan, log it, count it and trace it."""
         plan = result.plan
         self.checks.note(policy, config, plan, result.marks)
         self.plans.append(plan)
+        self.compiled.append(result)
         log.info(
             "%s: %d nodes -> %d pieces (%d captured, %d eager) in %.1f ms",
-            graph_id,
+            plan.graph_id,
             plan.num_nodes,
             len(plan.pieces),
             len(plan.captured),
             len(plan.eager),
             plan.split_seconds * 1e3,
         )
-        self.compiled.append(result)
         counters.totals["graphs"] += 1
         counters.totals["pieces"] += len(plan.pieces)
         counters.totals["captured_pieces"] += len(plan.captured)
         counters.totals["eager_pieces"] += len(plan.eager)
         trace.emit_plan(result)
-        if config.check_ranks:  # before anything can capture
-            check_ranks(graph_id, plan, result.graph_module, result.compiled_pieces)
-        runtime = None
-        if mode != "off":
-            runtime = GraphRuntime(
-                result,
-                config,
-                mode,
-                example_inputs,
-                self._session.pool(mode, device) if mode != "check" else None,
-                device,
-                self._session,
-                frame,
-            )
-            self.runtimes.append(runtime)
-        if dump_root:
-            folder = dump.write_dump(
-                dump_root,
-                result,
-                graph_code,
-                example_inputs=example_inputs,
-                model=frame.model if frame is not None else None,
-            )
-            self._dumps.append((folder, runtime))
-            _BACKENDS_WITH_DUMPS.add(self)
-            log.info("fxsplit %s: dump in %s", graph_id, folder)
-        compiled = runtime if runtime is not None else result.materialised.stitched.forward
-        if self.checks.pending:
-            return WarnOnSecondCall(compiled, self.checks.warn)
-        return compiled
+
+    def _runtime(self, result, config, mode, device, example_inputs, frame) -> GraphRuntime | None:
+        """The graph's run time where anything is captured or checked, else None."""
+        if mode == "off":
+            return None
+        runtime = GraphRuntime(
+            result,
+            config,
+            mode,
+            example_inputs,
+            self._session.pool(mode, device) if mode != "check" else None,
+            device,
+            self._session,
+            frame,
+        )
+        self.runtimes.append(runtime)
+        return runtime
+
+    def _dump(self, result, config, graph_code, example_inputs, frame, runtime) -> None:
+        """Write the graph's dump folder where ``dump_dir`` is set."""
+        if not config.dump_folder:
+            return
+        folder = dump.write_dump(
+            config.dump_folder,
+            result,
+            graph_code,
+            example_inputs=example_inputs,
+            model=frame.model if frame is not None else None,
+        )
+        self._dumps.append((folder, runtime))
+        _BACKENDS_WITH_DUMPS.add(self)
+        log.info("fxsplit %s: dump in %s", result.plan.graph_id, folder)
 
     @property
     def stats(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
@@ -277,6 +275,52 @@ class Backend:
         self.compiled.clear()
         self._count = 0
         self.checks.reset()
+
+
+def _run_mode(config: Config, example_inputs) -> tuple[str, torch.device | None]:
+    """How the graph runs: ``"cuda"``, ``"emulate"``, ``"check"`` (capture off, strict binding
+    checked as a capture would) or ``"off"``, and its device.
+
+    Raises:
+        RuntimeError: see :func:`_capture_mode`.
+    """
+    mode, device = _capture_mode(config.capture, example_inputs)
+    if mode == "off" and config.binding == "strict":
+        mode = "check"
+    return mode, device
+
+
+def _policy(config: Config, frame: Frame | None) -> Policy:
+    """What the mark pass looks for, for the compiled frame's module."""
+    policy = Policy.build(
+        config.runner_policy,
+        config.splitting_ops,
+        config.module_regions,
+        config.eager_modules,
+        config.active_presets,
+    )
+    policy.set_root(frame.root if frame is not None else None)
+    return policy
+
+
+def _split(gm: GraphModule, policy: Policy, config: Config, graph_id: str, mode: str) -> Split:
+    """The split of ``gm`` (with the aliasing analysis where anything runs or is dumped)."""
+    # The split allocates many small objects while a large graph is alive; cyclic GC passes
+    # over that graph would dominate its cost.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return split(
+            gm,
+            policy,
+            graph_id=graph_id,
+            runner=config.runner_policy.name,
+            grad_at_entry=torch.is_grad_enabled(),
+            analyse=mode != "off" or bool(config.dump_folder),
+        )
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 def _close_sessions(sessions: list[CaptureSession]) -> None:
