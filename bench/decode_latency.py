@@ -123,11 +123,13 @@ class Budget:
 @contextlib.contextmanager
 def _time_limit(seconds: float):
     """Raise PartTimeout in the block after ``seconds`` (SIGALRM). Never inside a CUDA graph
-    capture: an exception there would leave the stream capturing and every later part failing,
-    so the alarm waits for the capture to end (checked every 0.1 s)."""
+    capture (an exception there would leave the stream capturing and every later part failing)
+    nor inside an import (a module left half-initialised fails every later import of it, as
+    networkx's registry does): the alarm waits for either to end (checked every 0.1 s)."""
 
     def expire(signum, frame):
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing or _importing(frame):
             signal.setitimer(signal.ITIMER_REAL, 0.1)
             return
         raise PartTimeout
@@ -139,6 +141,15 @@ def _time_limit(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` runs inside an import statement's machinery."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _timed_out(error: BaseException | None) -> bool:
