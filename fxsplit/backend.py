@@ -22,6 +22,7 @@ from fxsplit.distributed import check_ranks
 from fxsplit.passes import Split, inductor, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
+from fxsplit.runtime import replay_watch
 from fxsplit.runtime.binding import is_static_input
 from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime, size_input_index
 from fxsplit.runtime.graphs import DeviceCapture
@@ -125,6 +126,7 @@ class Backend:
                 runner=runner.name,
                 grad_at_entry=torch.is_grad_enabled(),
                 analyse=mode != "off" or bool(dump_root),
+                size_input=_size_input(gm, example_inputs, frame, config),
             )
         finally:
             if gc_was_enabled:
@@ -179,6 +181,7 @@ class Backend:
                 frame,
             )
             self.runtimes.append(runtime)
+            _BACKENDS_WITH_RUNTIMES.add(self)
         if dump_root:
             folder = dump.write_dump(
                 dump_root,
@@ -259,9 +262,16 @@ class Backend:
             if runtime is not None:
                 dump.write_runtime_stats(folder, runtime.stats())
 
+    def log_replays(self) -> None:
+        """Log one line per graph whose captured pieces ran: calls, replays (share), captures
+        and uncaptured runs (``TORCH_LOGS=fxsplit``; also done at reset and at process exit)."""
+        for runtime in self.runtimes:
+            replay_watch.log_summary(runtime.graph_id, runtime.stats())
+
     def reset(self) -> None:
         """Forget every plan, compiled graph and memory pool; safe to call repeatedly."""
         self.write_runtime_stats()
+        self.log_replays()
         self._dumps.clear()
         for runtime in self.runtimes:
             runtime.reset()
@@ -293,6 +303,18 @@ def _frame() -> Frame | None:
     if resumed:  # torch_dynamo_resume_in_<function>_at_<line>
         name = root.__name__ if root is not None else name.split("_in_", 1)[1].rsplit("_at_")[0]
     return Frame(tuple(code.co_varnames[:count]), resumed, root, name, _called_by_eager_code())
+
+
+def _size_input(gm: GraphModule, example_inputs, frame: Frame | None, config: Config):
+    """Index of the graph input whose sizes are the token count (as the runtime finds it)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(example_inputs):
+        return None
+    params = [i for i, n in enumerate(placeholders) if is_static_input(n)]
+    names = frame.arg_names if frame is not None else None
+    return size_input_index(
+        placeholders, example_inputs, params, names, config.size_input, warn=False
+    )
 
 
 def _traced_size(result: Split, example_inputs, frame: Frame | None, config: Config):
@@ -378,6 +400,7 @@ def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | Non
 
 
 _BACKENDS_WITH_DUMPS: weakref.WeakSet[Backend] = weakref.WeakSet()
+_BACKENDS_WITH_RUNTIMES: weakref.WeakSet[Backend] = weakref.WeakSet()
 
 
 @atexit.register
@@ -387,6 +410,8 @@ def _write_dumps_at_exit() -> None:
             backend.write_runtime_stats()
         except OSError as error:  # a dump folder removed meanwhile must not fail the exit
             log.warning("fxsplit: could not write run-time figures: %s", error)
+    for backend in list(_BACKENDS_WITH_RUNTIMES):
+        backend.log_replays()
 
 
 # The per-process object behind backend="fxsplit" (registered by the torch_dynamo_backends entry

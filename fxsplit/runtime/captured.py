@@ -19,6 +19,7 @@ from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec
 from fxsplit.runtime.graphs import new_graph
+from fxsplit.runtime.replay_watch import Watch
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import clone_sharing
 
@@ -122,7 +123,7 @@ class CapturedPiece(torch.nn.Module):
         if self.failed is not None:
             log.warning("fxsplit: %s runs uncaptured: %s", self.name, self.failed)
         self._refusals: set[str] = set()
-        self.stats = PieceStats()
+        self.stats = PieceStats(Watch(self, key_reads))
         self.key = _key_function(key_reads)
 
     def __call__(self, *inputs):

@@ -1,0 +1,195 @@
+"""Step-sizes pass: find the work whose shapes, or the host values it reads, change every step.
+
+A captured piece replays only when its capture key repeats, and the key holds every symbolic
+size and host value the piece reads (:func:`fxsplit.runtime.binding.key_reads`). In a decode
+loop some of those change on every step: the KV length of a cache that grows by one token per
+step (transformers' ``DynamicCache`` concatenates keys and values), the masks and positions
+built over it, a host int counting the tokens cached so far (``cumulative_length_int`` of a
+sliding-window ``StaticCache``). A piece holding such work is captured once per step and never
+replayed. This pass finds it, from Dynamo's own facts, so the mark pass runs it eagerly with the
+attention it feeds, while the work with the token count's shape stays captured.
+
+The facts: every node's ``example_value`` carries its sizes as SymInts, and the graph's
+``ShapeEnv`` traces each symbol back to where Dynamo read it (``var_to_sources``, e.g.
+``L['kwargs']['cache'].layers[0].keys.size()[2]``). A symbol is a **step size** unless it is
+
+- a size of the size input (the token count, see
+  :func:`fxsplit.runtime.graph_runtime.size_input_index`): what engines pad to capture sizes;
+- or, in a graph traced with ``dynamic=True`` (Dynamo's ``assume_static_by_default`` is off
+  while it traces), a size or value of an argument the caller hands in
+  (``L['block_table'].size()[1]``):
+  ``dynamic=True`` makes every such size symbolic whether it changes or not, so only sizes and
+  values of the state the model carries (reached through an attribute, as a cache's tensors and
+  counters are) count there.
+
+Under the default ``torch.compile`` (automatic dynamic shapes), Dynamo makes a size symbolic
+only after it saw it change between two calls (or where the caller marked it dynamic), so every
+symbol other than the token count is a step size.
+
+A node is marked ``dynamic:<what>`` (``<what>`` in the model's terms, such as
+``cache.layers[0].keys.size(2)``) when its value or one of its inputs holds a step size. A host
+value nobody reads that depends on a step size (Dynamo keeps the ``x.numel()`` and ``sym_sum``
+results it traced but never used) is dropped: left in place it would sit alone between captured
+nodes and cut a captured piece in two. Symbols of data-dependent sizes (unbacked, from
+``nonzero`` and the like) have no source and are left alone: the op that makes them runs
+eagerly already. Float symbols are left alone too: Dynamo lifts float attributes (a norm's
+``eps``, a scale) as symbols without having seen them change.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, Node
+
+__all__ = ["StepSizes", "describe", "find", "symbols"]
+
+_HOST = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+@dataclass
+class StepSizes:
+    """What :func:`find` found in one graph.
+
+    Attributes:
+        symbols: each step size's symbol -> its description in the model's terms
+            (:func:`describe` of its first source).
+        names: every symbol Dynamo traced to a source -> its description (step sizes, the
+            token count and the rest), for messages about capture keys.
+        tokens: the symbols of the token count (the size input's sizes).
+        reasons: nodes that read or make a step size -> their ``dynamic:<what>`` reasons, sorted.
+        dropped: names of the unused host-value nodes removed from the graph.
+    """
+
+    symbols: dict[object, str] = field(default_factory=dict)
+    names: dict[object, str] = field(default_factory=dict)
+    tokens: frozenset = frozenset()
+    reasons: dict[Node, tuple[str, ...]] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+
+
+def find(graph: Graph, size_input: Node | None) -> StepSizes:
+    """Find the step sizes of ``graph`` and the nodes that depend on them; drops unused host
+    values that depend on one (see the module docstring).
+
+    Args:
+        graph: a Dynamo graph (nodes carry ``example_value``); a graph without a ShapeEnv (plain
+            ``torch.fx``, or no symbolic size) has none.
+        size_input: the placeholder whose sizes are the token count, or None.
+
+    Returns:
+        a :class:`StepSizes`, empty where the graph has no step size.
+    """
+    found = StepSizes()
+    shape_env = _shape_env(graph)
+    if shape_env is None:
+        return found
+    tokens = set()
+    if size_input is not None:
+        tokens = symbols(size_input.meta.get("example_value"))
+    found.tokens = frozenset(tokens)
+    # Dynamo's setting while it traces this graph: off under torch.compile(dynamic=True)
+    every_size = not torch._dynamo.config.assume_static_by_default
+    for symbol, sources in shape_env.var_to_sources.items():
+        if sources:
+            found.names[symbol] = describe(sources[0].name)
+        if not sources or symbol in tokens or not symbol.is_integer:
+            continue
+        if every_size and not any(_carried_state(s) for s in sources):
+            continue
+        found.symbols[symbol] = describe(sources[0].name)
+    if not found.symbols:
+        return found
+    step = found.symbols
+    made: dict[Node, set] = {}
+    for node in graph.nodes:
+        mine = {s for s in symbols(node.meta.get("example_value")) if s in step}
+        made[node] = mine
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        read = set(mine)
+        for arg in node.all_input_nodes:
+            read |= made.get(arg, set())
+        if not read:
+            continue
+        if not node.users and _unused_host_value(node):
+            found.dropped.append(node.name)
+            graph.erase_node(node)
+            continue
+        found.reasons[node] = tuple(sorted({f"dynamic:{step[s]}" for s in read}))
+    return found
+
+
+def _unused_host_value(node: Node) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, (*_HOST, int, float, bool)) and not node.is_impure()
+
+
+def _shape_env(graph: Graph):
+    for node in graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            fake_mode = getattr(value, "fake_mode", None)
+            if fake_mode is not None and fake_mode.shape_env is not None:
+                return fake_mode.shape_env
+        elif isinstance(value, _HOST):
+            return value.node.shape_env
+    return None
+
+
+def symbols(value: object) -> set:
+    """The free symbols of a node's value (a tensor's sizes, strides and offset, a SymInt, or
+    tuples and lists of them), after the ShapeEnv's replacements."""
+    found: set = set()
+    _collect(value, found)
+    return found
+
+
+def _collect(value: object, found: set) -> None:
+    if isinstance(value, _HOST):
+        found.update(value.node.expr.free_symbols)
+    elif isinstance(value, torch.Tensor):
+        for part in (value.shape, value.stride() if value.layout == torch.strided else ()):
+            for size in part:
+                if isinstance(size, torch.SymInt):
+                    found.update(size.node.expr.free_symbols)
+        if value.layout == torch.strided:
+            offset = value.storage_offset()
+            if isinstance(offset, torch.SymInt):
+                found.update(offset.node.expr.free_symbols)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect(item, found)
+
+
+def _carried_state(source) -> bool:
+    """Whether a source reaches its value through an attribute of an object (the state a model
+    or a cache carries, ``L['cache'].layers[0].keys``) rather than being an argument the caller
+    hands in, a size of one or of the tensor it views (``L['block_table'].size()[1]``,
+    ``L['kwargs']['mask']``, ``L['x']._base.size()[0]``)."""
+    from torch._dynamo.source import AttrSource
+
+    while source is not None:
+        # ``_base``: the tensor an argument is a view of (Dynamo traces views with their base)
+        if isinstance(source, AttrSource) and source.member != "_base":
+            return True
+        source = getattr(source, "base", None)
+    return False
+
+
+_NESTED = re.compile(r"^L\['(?:kwargs|args)'\]\['([A-Za-z_]\w*)'\]")
+_SIZE = re.compile(r"\.size\(\)\[(\d+)\]")
+_STRIDE = re.compile(r"\.stride\(\)\[(\d+)\]")
+
+
+def describe(source: str) -> str:
+    """Dynamo's source name in the model's terms: ``L['kwargs']['cache'].layers[0].keys.size()[2]``
+    -> ``cache.layers[0].keys.size(2)``, ``L['x']`` -> ``x``; other names are returned as they
+    are."""
+    text = _NESTED.sub(r"\1", source, count=1)
+    if text == source:
+        text = re.sub(r"^L\['([A-Za-z_]\w*)'\]", r"\1", source, count=1)
+    text = _SIZE.sub(r".size(\1)", text)
+    return _STRIDE.sub(r".stride(\1)", text)
