@@ -78,7 +78,10 @@ def test_demo_model_runs_both_runners_default_first_and_fits_80_columns(monkeypa
 
     def check(architecture, runner, capture, device, compile_pieces):
         ran.append((architecture, runner, capture))
-        return coverage.Result(architecture, runner, tuple(plans), (0.0, 0.0, 0.0), 1.0)
+        steps = (coverage.StepCounts(0, 0, 3), coverage.StepCounts(3, 0, 0))
+        steps += (coverage.StepCounts(0, 3, 0),)
+        diffs = (0.0, 0.0, 0.0)
+        return coverage.Result(architecture, runner, tuple(plans), diffs, 1.0, steps=steps)
 
     monkeypatch.setattr(demo.coverage, "check", check)
     monkeypatch.setenv("COLUMNS", "80")
@@ -87,3 +90,4 @@ def test_demo_model_runs_both_runners_default_first_and_fits_80_columns(monkeypa
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "decode 2" in out and "all comparisons passed" in out
+    assert "replays" in out and "captures" in out

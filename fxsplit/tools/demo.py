@@ -192,7 +192,8 @@ def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
     listed = hf_architectures.ARCHITECTURES[architecture].stands_for or architecture
     first = fxsplit.runners.default_runner(listed)
     table = Table(title=f"{architecture}: prefill + decode with a KV cache, {mode}")
-    for column in ("runner", "step", "tokens", "max diff", "ok"):
+    columns = ("runner", "step", "tokens", "max diff", "captures", "replays", "uncaptured", "ok")
+    for column in columns:
         table.add_column(column, justify="right", overflow="fold")
     ok = True
     for runner in (first, "v2" if first == "v1" else "v1"):
@@ -201,12 +202,14 @@ def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
         )
         for plan in result.plans:
             console.print(plan_table(plan, f"{architecture} {graph_title(plan)}"))
-        for step, diff in enumerate(result.diffs):
+        for step, (diff, counts) in enumerate(zip(result.diffs, result.steps, strict=True)):
             good = _close(diff, device, _compiles(compile_pieces, device))
             ok &= good
             tokens = hf_architectures.PREFILL_LEN if step == 0 else 1
             label = "prefill" if step == 0 else f"decode {step}"
-            table.add_row(runner, label, str(tokens), f"{diff:.3g}", "yes" if good else "NO")
+            calls = (counts.captures, counts.replays, counts.uncaptured_runs)
+            cells = (f"{diff:.3g}", *map(str, calls), "yes" if good else "NO")
+            table.add_row(runner, label, str(tokens), *cells)
     console.print(table)
     return ok
 
