@@ -127,6 +127,7 @@ class Backend:
                 grad_at_entry=torch.is_grad_enabled(),
                 analyse=mode != "off" or bool(dump_root),
                 size_input=_size_input(gm, example_inputs, frame, config),
+                model_values=frame is not None and frame.model_values,
             )
         finally:
             if gc_was_enabled:

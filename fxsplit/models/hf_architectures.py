@@ -394,7 +394,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
 
 def _vocab_size(model: nn.Module) -> int:
     config = model.config
-    return getattr(config, "text_config", config).vocab_size
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text.vocab_size
 
 
 def token_ids(model: nn.Module, steps: int, seed: int = 0) -> list[torch.Tensor]:

@@ -64,6 +64,7 @@ TINY: dict[str, Any] = {
     "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
+    "rotary_dim": 8,
     "lru_width": 64,
     "sliding_window": 4,
     "attention_window_size": 4,
@@ -93,19 +94,44 @@ def _config_class(architecture: str):
     raise ValueError(f"{architecture!r} is not a causal-LM architecture of this transformers")
 
 
+def _layers(config, count: int | None) -> list[int] | None:
+    """Which of ``count`` layers to keep: the first of each kind (``layer_types`` and the like
+    name one per layer; a hybrid model needs an attention layer beside its recurrent ones),
+    then the first ones, :data:`LAYERS` at least."""
+    if not count:
+        return None
+    keep: list[int] = []
+    for value in vars(config).values():
+        if (
+            isinstance(value, list)
+            and len(value) == count
+            and all(isinstance(v, str) for v in value)
+        ):
+            keep += [value.index(kind) for kind in dict.fromkeys(value)]
+    keep = sorted(set(keep))
+    keep += [i for i in range(count) if i not in keep][: max(LAYERS - len(keep), 0)]
+    return sorted(keep)
+
+
 def _shrink(config) -> None:
     """Set every :data:`TINY` field ``config`` has, in place, then its per-layer lists and
     token ids; recurse into sub-configs."""
     aliases = getattr(config, "attribute_map", {}) or {}
-    layers_before = getattr(config, "num_hidden_layers", None)
+    before = getattr(config, "num_hidden_layers", None)
+    keep = _layers(config, before if isinstance(before, int) else None)
     for key, value in TINY.items():
         name = aliases.get(key, key)
         if hasattr(config, name) and isinstance(getattr(config, name), int):
             setattr(config, name, value)
-    layers = getattr(config, "num_hidden_layers", LAYERS)
-    for name, value in list(vars(config).items()):
-        if isinstance(value, list) and value and len(value) == layers_before != layers:
-            setattr(config, name, value[:layers])
+    if isinstance(getattr(config, "qk_rope_head_dim", None), int):
+        # multi-head latent attention: the rotary embedding is sized from head_dim
+        config.head_dim = config.qk_rope_head_dim
+        config.num_key_value_heads = config.num_attention_heads
+    if keep is not None and isinstance(before, int):
+        for name, value in list(vars(config).items()):
+            if isinstance(value, list) and len(value) == before:
+                setattr(config, name, [value[i] for i in keep])
+        config.num_hidden_layers = len(keep)
     for name in _TOKEN_IDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and value >= VOCAB:

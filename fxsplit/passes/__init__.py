@@ -40,6 +40,7 @@ def split(
     grad_at_entry: bool = True,
     analyse: bool = False,
     size_input: int | None = None,
+    model_values: bool = False,
 ) -> Split:
     """Split ``gm`` (modified in place by the normalise pass) under ``policy``.
 
@@ -55,6 +56,9 @@ def split(
         size_input: index of the placeholder whose sizes are the token count (see
             :func:`fxsplit.runtime.graph_runtime.size_input_index`); every other size that
             changes per step runs eagerly (:mod:`fxsplit.passes.step_sizes`).
+        model_values: the graph's tensor arguments are the model's own values (a frame Dynamo
+            resumed after a graph break, or one called by eager model code): only the size
+            input's leading dim is the token count there.
 
     Returns:
         a :class:`Split` with the :class:`~fxsplit.plan.SplitPlan`.
@@ -63,7 +67,7 @@ def split(
     normalise.normalise(gm.graph)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     tokens = placeholders[size_input] if size_input is not None else None
-    steps = step_sizes.find(gm.graph, tokens)
+    steps = step_sizes.find(gm.graph, tokens, leading_only=model_values)
     marks = mark.mark(gm.graph, policy, steps.reasons)
     parts = partition.partition(marks)
     done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host)

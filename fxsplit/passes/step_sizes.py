@@ -70,7 +70,7 @@ class StepSizes:
     dropped: list[str] = field(default_factory=list)
 
 
-def find(graph: Graph, size_input: Node | None) -> StepSizes:
+def find(graph: Graph, size_input: Node | None, leading_only: bool = False) -> StepSizes:
     """Find the step sizes of ``graph`` and the nodes that depend on them; drops unused host
     values that depend on one (see the module docstring).
 
@@ -78,6 +78,9 @@ def find(graph: Graph, size_input: Node | None) -> StepSizes:
         graph: a Dynamo graph (nodes carry ``example_value``); a graph without a ShapeEnv (plain
             ``torch.fx``, or no symbolic size) has none.
         size_input: the placeholder whose sizes are the token count, or None.
+        leading_only: only its leading dim is (the placeholder is a value the model computed,
+            such as hidden states handed to a frame resumed after a graph break, whose other
+            dims may be anything, a mask over the KV length among them).
 
     Returns:
         a :class:`StepSizes`, empty where the graph has no step size.
@@ -87,8 +90,9 @@ def find(graph: Graph, size_input: Node | None) -> StepSizes:
     if shape_env is None:
         return found
     tokens = set()
-    if size_input is not None:
-        tokens = symbols(size_input.meta.get("example_value"))
+    value = size_input.meta.get("example_value") if size_input is not None else None
+    if isinstance(value, torch.Tensor):
+        tokens = symbols(value.shape[:1] if leading_only else value.shape)
     found.tokens = frozenset(tokens)
     # Dynamo's setting while it traces this graph: off under torch.compile(dynamic=True)
     every_size = not torch._dynamo.config.assume_static_by_default

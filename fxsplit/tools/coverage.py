@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ class Result:
         copied: where the inputs come from that were copied into fxsplit's static buffers
             (Dynamo's sources, such as ``L['kwargs']['input_ids']``, or ``"<piece> output"``),
             sorted.
+        attention: the attention implementation the model ran (``"sdpa"``, ``"eager"``, ...).
     """
 
     architecture: str
@@ -79,6 +81,7 @@ class Result:
     eager_diff: float = 0.0
     error: str = ""
     copied: tuple[str, ...] = ()
+    attention: str = ""
 
     @property
     def exact(self) -> bool:
@@ -158,9 +161,11 @@ def check(
     device: str = "cpu",
     compile_pieces: str = "auto",
     cache: str = "dynamic",
+    build: Callable[[str], torch.nn.Module] = hf_architectures.build,
 ) -> Result:
-    """Compile ``architecture``'s tiny model with ``torch.compile(model, backend="fxsplit")``
-    under ``runner``, ``capture`` and ``compile_pieces`` on ``device`` (with
+    """Compile ``architecture``'s tiny model (made by ``build``) with
+    ``torch.compile(model, backend="fxsplit")`` under ``runner``, ``capture`` and
+    ``compile_pieces`` on ``device`` (with
     ``input_binding="copy"``: transformers' loop hands a fresh ``input_ids`` tensor every
     step), prefill and decode ``steps`` tokens with a KV cache of kind ``cache``, and compare
     every step's logits with the same run in eager.
@@ -173,14 +178,20 @@ def check(
     Raises:
         ValueError: an unknown architecture (the message lists the known ones) or cache kind.
         ImportError: transformers is missing or lacks the architecture.
-        EagerFailure: the model fails in eager already (transformers cannot run it so).
+        NotRunnable: ``build`` fails, or the model fails in eager already (transformers
+            cannot run it so).
     """
-    model = hf_architectures.build(architecture).to(device)
+    try:
+        model = build(architecture).to(device)
+    except (ValueError, ImportError):
+        raise
+    except Exception as error:
+        raise NotRunnable(f"cannot build tiny: {_why(error)}") from error
     ids = [t.to(device) for t in hf_architectures.token_ids(model, steps)]
     try:
         want = hf_architectures.decode(model, model.config, ids, cache)
     except Exception as error:
-        raise EagerFailure(f"{type(error).__name__}: {_first_line(error)}") from error
+        raise NotRunnable(f"fails eagerly: {_why(error)}") from error
     torch._dynamo.reset()
     start = time.perf_counter()
     options = {
@@ -224,27 +235,29 @@ def check(
         reference,
         eager_diff,
         copied=copied,
+        attention=str(getattr(model.config, "_attn_implementation", "") or ""),
     )
 
 
-class EagerFailure(RuntimeError):
-    """The model fails when run eagerly, before fxsplit is involved."""
+class NotRunnable(RuntimeError):
+    """The tiny model cannot be built, or fails when run eagerly: before fxsplit is involved."""
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [""])[0]
+def _why(error: BaseException) -> str:
+    """``"<exception type>: <first line of its message>"``."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
 def attempt(architecture: str, runner: str, cache: str = "dynamic", **options) -> Result:
     """:func:`check`, with a run that raises recorded as a :class:`Result` whose ``error`` says
-    why: ``"eager: ..."`` where the model fails eagerly already (transformers cannot run it
-    with that cache), ``"fxsplit: ..."`` where only the compiled run fails."""
+    why: ``"cannot build tiny: ..."`` / ``"fails eagerly: ..."`` (:class:`NotRunnable`: not
+    fxsplit's doing), ``"fxsplit: ..."`` where only the compiled run fails."""
     try:
         return check(architecture, runner, cache=cache, **options)
-    except EagerFailure as error:
-        why = f"eager: {error}"
+    except NotRunnable as error:
+        why = str(error)
     except Exception as error:  # recorded in the table, not hidden
-        why = f"fxsplit: {type(error).__name__}: {_first_line(error)}"
+        why = f"fxsplit: {_why(error)}"
     torch._dynamo.reset()
     return Result(architecture, runner, (), (), 0.0, cache, error=why)
 
