@@ -1,19 +1,23 @@
 """Hugging Face transformers architectures, tiny and randomly initialised, with a KV-cache decode.
 
-Every architecture :func:`fxsplit.runners.default_runner` names, plus four widely used
-references (Llama, Qwen3, Mixtral, GPT-OSS), as a tiny config built locally (nothing is
-downloaded): 2 decoder layers, hidden size 64, vocabulary 128. :func:`build` makes the model
-with deterministic weights; :func:`decode` runs a prefill and decode steps with transformers' own
-``DynamicCache`` and returns the logits of every step, the same way for eager and compiled
-models.
+Every architecture :func:`fxsplit.runners.default_runner` names, plus widely used references
+(Llama, Qwen2, Qwen3, Mistral, Mixtral, Gemma2, Gemma3, Phi3, GPT2, OPT, Bloom, GPT-OSS,
+GraniteSWA, RecurrentGemma), as a tiny config built locally (nothing is downloaded): 2 decoder
+layers, hidden size 64, vocabulary 128. :func:`build` makes the model with deterministic
+weights; :func:`decode` runs a prefill and decode steps with transformers' own ``DynamicCache``
+or ``StaticCache`` (:data:`CACHES`) and returns the logits of every step, the same way for eager
+and compiled models.
 
 Choices that apply to all of them (see :func:`tiny_config`):
 
 - ``attn_implementation="sdpa"`` (transformers' default where the model supports it): attention
   is one ``scaled_dot_product_attention`` call per layer, which :mod:`fxsplit.presets` puts in
   region ``attention``. GPT-OSS has no sdpa path (attention sinks) and its flex-attention path
-  refuses sinks on CPU, so it runs ``"eager"``; DeepSeek-V4 supports only ``"eager"``. Eager
-  attention is plain matmul + softmax, which no op preset can tell from other matmuls.
+  refuses sinks on CPU, so it runs ``"eager"``; so does Gemma2 (sdpa refuses its logit
+  soft-capping); DeepSeek-V4, Bloom and GraniteSWA support only ``"eager"``. Eager attention is
+  plain matmul + softmax, which no op preset can tell from other matmuls.
+- Sliding windows of 4 tokens, shorter than the prefill: every decode step runs the full-window
+  path (a window filling up mid-decode changes the branches Dynamo traced, and it recompiles).
 - ``experts_implementation="batched_mm"`` for MoE models: dense gather + bmm, traceable with no
   custom op and no host sync (the default ``"grouped_mm"`` is an opaque custom op on CPU, and
   ``"eager"`` loops over ``nonzero()``). LongcatFlash's experts ignore it and loop.

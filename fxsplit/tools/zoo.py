@@ -80,13 +80,14 @@ class Row:
         )
 
 
-def run(architecture: str, steps: int = STEPS) -> Row:
-    """Run one architecture (see the module docstring); never raises for the model's sake."""
+def run(architecture: str, steps: int = STEPS, runners_run: tuple[str, ...] = RUNNERS) -> Row:
+    """Run one architecture under ``runners_run`` (see the module docstring); never raises for
+    the model's sake."""
     from fxsplit.models import hf_zoo
 
     runners: dict[str, Runner] = {}
     attention = ""
-    for runner in RUNNERS:
+    for runner in runners_run:
         result = coverage.attempt(architecture, runner, steps=steps, build=hf_zoo.build)
         if result.error and not result.error.startswith("fxsplit:"):
             return Row(architecture, {}, result.error)
@@ -122,7 +123,10 @@ def table(rows: list[Row]) -> str:
         if not row.runners:
             cells = [row.reason.replace("|", "/")] + ["-"] * (len(RUNNERS) - 1)
         else:
-            cells = [_cell(row.runners[r]).replace("|", "/") for r in RUNNERS]
+            cells = [
+                _cell(row.runners[r]).replace("|", "/") if r in row.runners else "-"
+                for r in RUNNERS
+            ]
         lines.append(f"| `{row.architecture}` | {row.attention or '-'} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
