@@ -243,15 +243,19 @@ piece_4  captured   82  -          -
 piece_5  eager       1  attention  preset:sdpa,region:attention
 piece_6  captured   57  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
-piece    kind      ops  regions    reasons
-piece_0  captured    6  -          -
-piece_1  eager       6  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_2  captured   62  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   83  -          -
-piece_5  eager       1  attention  preset:sdpa,region:attention
-piece_6  captured   57  -          -""",
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 11 pieces, 6 captured, 5 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    2  -          -
+piece_1   eager       9  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_2   captured   51  -          -
+piece_3   eager       2  -          dynamic:cache.layers[0].keys.size(2)
+piece_4   captured    1  -          -
+piece_5   eager       9  attention  dynamic:cache.layers[0].keys.size(2),preset:sdpa,region:attention
+piece_6   captured   71  -          -
+piece_7   eager       2  -          dynamic:cache.layers[1].values.size(2)
+piece_8   captured    1  -          -
+piece_9   eager      10  attention  dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_10  captured   57  -          -""",
         )
 
     def test_deepseek_v2_v2(self):
@@ -274,13 +278,19 @@ piece_2  captured   82  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured   57  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   74  attn_prep  -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured   83  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   57  -          -""",
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 11 pieces, 6 captured, 5 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    2  -          -
+piece_1   eager       3  -          dynamic:cache.layers[0].keys.size(2)
+piece_2   captured   57  attn_prep  -
+piece_3   eager       2  -          dynamic:cache.layers[0].keys.size(2)
+piece_4   captured    1  -          -
+piece_5   eager       9  attention  dynamic:cache.layers[0].keys.size(2),preset:sdpa,region:attention
+piece_6   captured   71  -          -
+piece_7   eager       2  -          dynamic:cache.layers[1].values.size(2)
+piece_8   captured    1  -          -
+piece_9   eager      10  attention  dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_10  captured   57  -          -""",
         )
 
     def test_deepseek_v4_v1(self):
@@ -297,23 +307,187 @@ piece_4  captured   17  -                         -
 piece_5  eager     107  attn_prep,sparse_indexer  preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
 piece_6  captured  475  -                         -
 
-graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
-piece    kind      ops  regions                   reasons
-piece_0  captured   28  -                         -
-piece_1  eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_2  captured  423  -                         -
-piece_3  eager       9  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_4  captured   19  -                         -
-piece_5  eager     114  attn_prep,sparse_indexer  preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_6  captured  475  -                         -
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured   28  -                         -
+piece_1   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_2   captured  386  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[1].cumulative_length
+piece_4   captured    3  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_6   captured   29  -                         -
+piece_7   eager      12  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_8   captured   17  -                         -
+piece_9   eager     116  attn_prep,sparse_indexer  dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_10  captured  279  -                         -
+piece_11  eager       1  -                         dynamic:cache.layers[2].cumulative_length
+piece_12  captured  195  -                         -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions                   reasons
-piece_0  captured   28  -                         -
-piece_1  eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_2  captured  391  -                         -
-piece_3  eager      56  attn_prep,sparse_indexer  preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_4  captured  480  -                         -""",
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 19 pieces, 10 captured, 9 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       6  -                         dynamic:cache.layers[2].keys.size(2)
+piece_2   captured    3  -                         -
+piece_3   eager       3  -                         dynamic:cache.layers[2].keys.size(2)
+piece_4   captured    2  -                         -
+piece_5   eager       9  -                         dynamic:cache.layers[2].keys.size(2)
+piece_6   captured    3  -                         -
+piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_8   captured  113  -                         -
+piece_9   eager      19  -                         dynamic:cache.layers[0].values.size(2),dynamic:cache.layers[2].keys.size(2)
+piece_10  captured  253  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[1].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_12  captured    3  -                         -
+piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[2].keys.size(2),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_14  captured  253  -                         -
+piece_15  eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_16  captured    2  -                         -
+piece_17  eager      25  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_18  captured  170  -                         -
+
+graph_3 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 33 pieces, 17 captured, 16 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       6  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       3  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    2  -                         -
+piece_5   eager       9  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured    3  -                         -
+piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_8   captured  113  -                         -
+piece_9   eager      19  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].values.size(2)
+piece_10  captured  253  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].cumulative_length
+piece_12  captured    2  -                         -
+piece_13  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_14  captured    1  -                         -
+piece_15  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_16  captured   27  -                         -
+piece_17  eager      12  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_18  captured   16  -                         -
+piece_19  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_20  captured  253  -                         -
+piece_21  eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_22  captured    2  -                         -
+piece_23  eager       8  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_24  captured    2  -                         -
+piece_25  eager       1  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_26  captured    9  -                         -
+piece_27  eager       2  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_28  captured    3  -                         -
+piece_29  eager       9  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_30  captured   18  -                         -
+piece_31  eager      21  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_32  captured  170  -                         -
+
+graph_4 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 21 pieces, 11 captured, 10 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured   14  -                         -
+piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_8   captured  113  -                         -
+piece_9   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_10  captured    0  -                         -
+piece_11  eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_12  captured  272  -                         -
+piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_14  captured    3  -                         -
+piece_15  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_16  captured  253  -                         -
+piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_18  captured    4  -                         -
+piece_19  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_20  captured  170  -                         -
+
+graph_5 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 27 pieces, 14 captured, 13 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured   14  -                         -
+piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_8   captured  113  -                         -
+piece_9   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_10  captured    0  -                         -
+piece_11  eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_12  captured  272  -                         -
+piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_14  captured    2  -                         -
+piece_15  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_16  captured    1  -                         -
+piece_17  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_18  captured   27  -                         -
+piece_19  eager      12  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_20  captured   16  -                         -
+piece_21  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_22  captured  253  -                         -
+piece_23  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_24  captured    6  -                         -
+piece_25  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_26  captured  170  -                         -
+
+graph_6 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 21 pieces, 11 captured, 10 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured   14  -                         -
+piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_8   captured  113  -                         -
+piece_9   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_10  captured    0  -                         -
+piece_11  eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_12  captured  272  -                         -
+piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_14  captured    3  -                         -
+piece_15  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_16  captured  253  -                         -
+piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_18  captured    2  -                         -
+piece_19  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_20  captured  170  -                         -
+
+graph_7 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 27 pieces, 14 captured, 13 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured   14  -                         -
+piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_8   captured  113  -                         -
+piece_9   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_10  captured    0  -                         -
+piece_11  eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_12  captured  272  -                         -
+piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_14  captured    2  -                         -
+piece_15  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_16  captured    1  -                         -
+piece_17  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_18  captured   27  -                         -
+piece_19  eager      12  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_20  captured   16  -                         -
+piece_21  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_22  captured  253  -                         -
+piece_23  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_24  captured    2  -                         -
+piece_25  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_26  captured  170  -                         -""",
         )
 
     def test_deepseek_v4_v2(self):
@@ -326,17 +500,171 @@ piece_0  captured  490  attn_prep                 -
 piece_1  eager     107  attn_prep,sparse_indexer  preset:sparse_indexer,region:sparse_indexer
 piece_2  captured  475  -                         -
 
-graph_1 runner=v2 eager_regions=attention,sparse_indexer: 3 pieces, 2 captured, 1 eager
-piece    kind      ops  regions                   reasons
-piece_0  captured  497  attn_prep                 -
-piece_1  eager     114  attn_prep,sparse_indexer  preset:sparse_indexer,region:sparse_indexer
-piece_2  captured  475  -                         -
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 11 pieces, 6 captured, 5 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured  432  attn_prep                 -
+piece_1   eager       1  -                         dynamic:cache.layers[1].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_4   captured   29  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_6   captured   28  attn_prep                 -
+piece_7   eager     116  attn_prep,sparse_indexer  dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
+piece_8   captured  279  -                         -
+piece_9   eager       1  -                         dynamic:cache.layers[2].cumulative_length
+piece_10  captured  195  -                         -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 3 pieces, 2 captured, 1 eager
-piece    kind      ops  regions                   reasons
-piece_0  captured  437  attn_prep                 -
-piece_1  eager      56  attn_prep,sparse_indexer  preset:sparse_indexer,region:sparse_indexer
-piece_2  captured  480  -                         -""",
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 17 pieces, 9 captured, 8 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       6  -                         dynamic:cache.layers[2].keys.size(2)
+piece_2   captured    3  -                         -
+piece_3   eager       3  -                         dynamic:cache.layers[2].keys.size(2)
+piece_4   captured    2  -                         -
+piece_5   eager       9  -                         dynamic:cache.layers[2].keys.size(2)
+piece_6   captured  134  attn_prep                 -
+piece_7   eager      19  -                         dynamic:cache.layers[0].values.size(2),dynamic:cache.layers[2].keys.size(2)
+piece_8   captured  253  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[1].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_10  captured    3  -                         -
+piece_11  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[2].keys.size(2),preset:sparse_indexer,region:sparse_indexer
+piece_12  captured  253  -                         -
+piece_13  eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_14  captured    2  -                         -
+piece_15  eager      25  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_16  captured  170  -                         -
+
+graph_3 runner=v2 eager_regions=attention,sparse_indexer: 29 pieces, 15 captured, 14 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       6  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       3  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    2  -                         -
+piece_5   eager       9  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured  134  attn_prep                 -
+piece_7   eager      19  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].values.size(2)
+piece_8   captured  253  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].cumulative_length
+piece_10  captured    2  -                         -
+piece_11  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_12  captured    1  -                         -
+piece_13  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_14  captured   27  -                         -
+piece_15  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_16  captured   27  attn_prep                 -
+piece_17  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
+piece_18  captured  253  -                         -
+piece_19  eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_20  captured    2  -                         -
+piece_21  eager       8  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_22  captured    2  -                         -
+piece_23  eager       1  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_24  captured    9  -                         -
+piece_25  eager       2  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_26  captured   30  attn_prep                 -
+piece_27  eager      21  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_28  captured  170  -                         -
+
+graph_4 runner=v2 eager_regions=attention,sparse_indexer: 19 pieces, 10 captured, 9 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured  145  attn_prep                 -
+piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_8   captured    0  -                         -
+piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_10  captured  272  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_12  captured    3  -                         -
+piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
+piece_14  captured  253  -                         -
+piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_16  captured    4  -                         -
+piece_17  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_18  captured  170  -                         -
+
+graph_5 runner=v2 eager_regions=attention,sparse_indexer: 25 pieces, 13 captured, 12 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured  145  attn_prep                 -
+piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_8   captured    0  -                         -
+piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_10  captured  272  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_12  captured    2  -                         -
+piece_13  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_14  captured    1  -                         -
+piece_15  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_16  captured   27  -                         -
+piece_17  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_18  captured   27  attn_prep                 -
+piece_19  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
+piece_20  captured  253  -                         -
+piece_21  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_22  captured    6  -                         -
+piece_23  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_24  captured  170  -                         -
+
+graph_6 runner=v2 eager_regions=attention,sparse_indexer: 19 pieces, 10 captured, 9 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured  145  attn_prep                 -
+piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_8   captured    0  -                         -
+piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_10  captured  272  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_12  captured    3  -                         -
+piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
+piece_14  captured  253  -                         -
+piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_16  captured    2  -                         -
+piece_17  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_18  captured  170  -                         -
+
+graph_7 runner=v2 eager_regions=attention,sparse_indexer: 25 pieces, 13 captured, 12 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    2  -                         -
+piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -                         -
+piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
+piece_6   captured  145  attn_prep                 -
+piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_8   captured    0  -                         -
+piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_10  captured  272  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_12  captured    2  -                         -
+piece_13  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_14  captured    1  -                         -
+piece_15  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_16  captured   27  -                         -
+piece_17  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_18  captured   27  attn_prep                 -
+piece_19  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
+piece_20  captured  253  -                         -
+piece_21  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_22  captured    2  -                         -
+piece_23  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_24  captured  170  -                         -""",
         )
 
     def test_granite_moe_v1(self):
@@ -363,15 +691,17 @@ piece_4  captured   73  -          -
 piece_5  eager       1  attention  preset:sdpa,region:attention
 piece_6  captured   52  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 9 pieces, 5 captured, 4 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    6  -          -
-piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_2  captured   33  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   75  -          -
-piece_5  eager       1  attention  preset:sdpa,region:attention
-piece_6  captured   52  -          -""",
+piece_0  captured    2  -          -
+piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_2  captured    2  -          -
+piece_3  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_4  captured   30  -          -
+piece_5  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_6  captured   71  -          -
+piece_7  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_8  captured   52  -          -""",
         )
 
     def test_granite_moe_v2(self):
@@ -394,13 +724,15 @@ piece_2  captured   73  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured   52  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured   49  attn_prep  -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured   75  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   52  -          -""",
+piece_0  captured    2  -          -
+piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_2  captured   42  attn_prep  -
+piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_4  captured   71  -          -
+piece_5  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_6  captured   52  -          -""",
         )
 
     def test_inkling_v1(self):
@@ -409,27 +741,55 @@ piece_4  captured   52  -          -""",
             """\
 graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
 piece    kind      ops  regions    reasons
-piece_0  captured   96  -          -
+piece_0  captured  111  -          -
 piece_1  eager       1  attention  preset:sdpa,region:attention
 piece_2  captured  129  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured  107  -          -
 
-graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   93  -          -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured  122  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured  107  -          -
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 17 pieces, 9 captured, 8 eager
+piece     kind      ops  regions    reasons
+piece_0   captured   10  -          -
+piece_1   eager       5  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -          -
+piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured   67  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured    3  -          -
+piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_10  captured    1  -          -
+piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_12  captured   17  -          -
+piece_13  eager       1  attention  preset:sdpa,region:attention
+piece_14  captured  122  -          -
+piece_15  eager       1  attention  preset:sdpa,region:attention
+piece_16  captured  107  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   96  -          -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured  123  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured  107  -          -""",
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 21 pieces, 11 captured, 10 eager
+piece     kind      ops  regions    reasons
+piece_0   captured   10  -          -
+piece_1   eager       6  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].keys.size(2)
+piece_2   captured    3  -          -
+piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured   67  -          -
+piece_7   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_8   captured    1  -          -
+piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_10  captured    1  -          -
+piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_12  captured   17  -          -
+piece_13  eager       1  attention  preset:sdpa,region:attention
+piece_14  captured  104  -          -
+piece_15  eager       4  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_16  captured    1  -          -
+piece_17  eager       1  -          dynamic:cache.layers[1].keys.size(2)
+piece_18  captured    3  -          -
+piece_19  eager      10  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_20  captured  107  -          -""",
         )
 
     def test_inkling_v2(self):
@@ -438,27 +798,55 @@ piece_4  captured  107  -          -""",
             """\
 graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
 piece    kind      ops  regions    reasons
-piece_0  captured   96  -          -
+piece_0  captured  111  -          -
 piece_1  eager       1  attention  preset:sdpa,region:attention
 piece_2  captured  129  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured  107  -          -
 
-graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   93  -          -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured  122  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured  107  -          -
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 17 pieces, 9 captured, 8 eager
+piece     kind      ops  regions    reasons
+piece_0   captured   10  -          -
+piece_1   eager       5  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -          -
+piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured   67  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured    3  -          -
+piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_10  captured    1  -          -
+piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_12  captured   17  -          -
+piece_13  eager       1  attention  preset:sdpa,region:attention
+piece_14  captured  122  -          -
+piece_15  eager       1  attention  preset:sdpa,region:attention
+piece_16  captured  107  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   96  -          -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured  123  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured  107  -          -""",
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 21 pieces, 11 captured, 10 eager
+piece     kind      ops  regions    reasons
+piece_0   captured   10  -          -
+piece_1   eager       6  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].keys.size(2)
+piece_2   captured    3  -          -
+piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured   67  -          -
+piece_7   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_8   captured    1  -          -
+piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_10  captured    1  -          -
+piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_12  captured   17  -          -
+piece_13  eager       1  attention  preset:sdpa,region:attention
+piece_14  captured  104  -          -
+piece_15  eager       4  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_16  captured    1  -          -
+piece_17  eager       1  -          dynamic:cache.layers[1].keys.size(2)
+piece_18  captured    3  -          -
+piece_19  eager      10  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_20  captured  107  -          -""",
         )
 
     def test_inkling_cond_gen_v1(self):
@@ -467,27 +855,59 @@ piece_4  captured  107  -          -""",
             """\
 graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
 piece    kind      ops  regions    reasons
-piece_0  captured   96  -          -
+piece_0  captured  111  -          -
 piece_1  eager       1  attention  preset:sdpa,region:attention
 piece_2  captured  129  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured  107  -          -
 
-graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   93  -          -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured  122  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured  107  -          -
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 19 pieces, 10 captured, 9 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    9  -          -
+piece_1   eager       3  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -          -
+piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured   10  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   59  -          -
+piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_10  captured    3  -          -
+piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_12  captured    1  -          -
+piece_13  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_14  captured   17  -          -
+piece_15  eager       1  attention  preset:sdpa,region:attention
+piece_16  captured  122  -          -
+piece_17  eager       1  attention  preset:sdpa,region:attention
+piece_18  captured  107  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   96  -          -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured  123  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured  107  -          -""",
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 23 pieces, 12 captured, 11 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    9  -          -
+piece_1   eager       4  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].keys.size(2)
+piece_2   captured    3  -          -
+piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured   10  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   59  -          -
+piece_9   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_10  captured    1  -          -
+piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_12  captured    1  -          -
+piece_13  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_14  captured   17  -          -
+piece_15  eager       1  attention  preset:sdpa,region:attention
+piece_16  captured  104  -          -
+piece_17  eager       4  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_18  captured    1  -          -
+piece_19  eager       1  -          dynamic:cache.layers[1].keys.size(2)
+piece_20  captured    3  -          -
+piece_21  eager      10  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_22  captured  107  -          -""",
         )
 
     def test_inkling_cond_gen_v2(self):
@@ -496,27 +916,59 @@ piece_4  captured  107  -          -""",
             """\
 graph_0 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
 piece    kind      ops  regions    reasons
-piece_0  captured   96  -          -
+piece_0  captured  111  -          -
 piece_1  eager       1  attention  preset:sdpa,region:attention
 piece_2  captured  129  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured  107  -          -
 
-graph_1 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   93  -          -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured  122  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured  107  -          -
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 19 pieces, 10 captured, 9 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    9  -          -
+piece_1   eager       3  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -          -
+piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured   10  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   59  -          -
+piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_10  captured    3  -          -
+piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_12  captured    1  -          -
+piece_13  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_14  captured   17  -          -
+piece_15  eager       1  attention  preset:sdpa,region:attention
+piece_16  captured  122  -          -
+piece_17  eager       1  attention  preset:sdpa,region:attention
+piece_18  captured  107  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   96  -          -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured  123  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured  107  -          -""",
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 23 pieces, 12 captured, 11 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    9  -          -
+piece_1   eager       4  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].keys.size(2)
+piece_2   captured    3  -          -
+piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    1  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured   10  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   59  -          -
+piece_9   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_10  captured    1  -          -
+piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_12  captured    1  -          -
+piece_13  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_14  captured   17  -          -
+piece_15  eager       1  attention  preset:sdpa,region:attention
+piece_16  captured  104  -          -
+piece_17  eager       4  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_18  captured    1  -          -
+piece_19  eager       1  -          dynamic:cache.layers[1].keys.size(2)
+piece_20  captured    3  -          -
+piece_21  eager      10  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_22  captured  107  -          -""",
         )
 
     def test_longcat_flash_v1(self):
@@ -545,9 +997,9 @@ graph_4 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 c
 piece    kind      ops  regions  reasons
 piece_0  captured    1  -        -
 
-graph_5 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
-piece    kind      ops  regions  reasons
-piece_0  captured    1  -        -
+graph_5 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 0 captured, 1 eager
+piece    kind   ops  regions  reasons
+piece_0  eager    1  -        dynamic:input.stride(0)
 
 graph_6 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
 piece    kind      ops  regions  reasons
@@ -585,9 +1037,9 @@ graph_13 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 
 piece    kind      ops  regions  reasons
 piece_0  captured    5  -        -
 
-graph_14 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
-piece    kind      ops  regions  reasons
-piece_0  captured    1  -        -
+graph_14 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 0 captured, 1 eager
+piece    kind   ops  regions  reasons
+piece_0  eager    1  -        dynamic:input.stride(0)
 
 graph_15 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 1 piece, 1 captured, 0 eager
 piece    kind      ops  regions  reasons
@@ -634,9 +1086,9 @@ graph_4 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0
 piece    kind      ops  regions  reasons
 piece_0  captured    1  -        -
 
-graph_5 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
-piece    kind      ops  regions  reasons
-piece_0  captured    1  -        -
+graph_5 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 0 captured, 1 eager
+piece    kind   ops  regions  reasons
+piece_0  eager    1  -        dynamic:input.stride(0)
 
 graph_6 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
 piece    kind      ops  regions  reasons
@@ -674,9 +1126,9 @@ graph_13 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 
 piece    kind      ops  regions  reasons
 piece_0  captured    5  -        -
 
-graph_14 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
-piece    kind      ops  regions  reasons
-piece_0  captured    1  -        -
+graph_14 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 0 captured, 1 eager
+piece    kind   ops  regions  reasons
+piece_0  eager    1  -        dynamic:input.stride(0)
 
 graph_15 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
 piece    kind      ops  regions  reasons
@@ -721,15 +1173,19 @@ piece_4  captured   80  -          -
 piece_5  eager       1  attention  preset:sdpa,region:attention
 piece_6  captured   58  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   21  -          -
-piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_2  captured   33  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   82  -          -
-piece_5  eager       1  attention  preset:sdpa,region:attention
-piece_6  captured   58  -          -""",
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 11 pieces, 6 captured, 5 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    2  -          -
+piece_1   eager       3  -          dynamic:cache.layers[0].keys.size(2)
+piece_2   captured    3  -          -
+piece_3   eager       3  -          dynamic:cache.layers[0].keys.size(2)
+piece_4   captured    2  -          -
+piece_5   eager      17  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_6   captured   30  -          -
+piece_7   eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_8   captured   78  -          -
+piece_9   eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_10  captured   58  -          -""",
         )
 
     def test_qwen2_moe_v2(self):
@@ -752,13 +1208,19 @@ piece_2  captured   80  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured   58  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   64  attn_prep  -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured   82  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   58  -          -""",
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 11 pieces, 6 captured, 5 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    2  -          -
+piece_1   eager       3  -          dynamic:cache.layers[0].keys.size(2)
+piece_2   captured    3  -          -
+piece_3   eager       3  -          dynamic:cache.layers[0].keys.size(2)
+piece_4   captured    2  -          -
+piece_5   eager       7  -          dynamic:cache.layers[0].keys.size(2)
+piece_6   captured   40  attn_prep  -
+piece_7   eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_8   captured   78  -          -
+piece_9   eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_10  captured   58  -          -""",
         )
 
     def test_llama_v1(self):
@@ -787,12 +1249,12 @@ piece_6  captured   30  -          -
 
 graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    5  -          -
-piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_2  captured   33  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   54  -          -
-piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_0  captured    2  -          -
+piece_1  eager      12  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_2  captured   30  -          -
+piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_4  captured   50  -          -
+piece_5  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
 piece_6  captured   30  -          -""",
         )
 
@@ -816,13 +1278,15 @@ piece_2  captured   52  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured   30  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured   48  attn_prep  -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured   54  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   30  -          -""",
+piece_0  captured    2  -          -
+piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_2  captured   41  attn_prep  -
+piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_4  captured   50  -          -
+piece_5  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_6  captured   30  -          -""",
         )
 
     def test_qwen3_v1(self):
@@ -851,12 +1315,12 @@ piece_6  captured   30  -          -
 
 graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    5  -          -
-piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_2  captured   49  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   70  -          -
-piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_0  captured    2  -          -
+piece_1  eager      12  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_2  captured   46  -          -
+piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_4  captured   66  -          -
+piece_5  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
 piece_6  captured   30  -          -""",
         )
 
@@ -880,13 +1344,15 @@ piece_2  captured   68  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured   30  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured   64  attn_prep  -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured   70  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   30  -          -""",
+piece_0  captured    2  -          -
+piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_2  captured   57  attn_prep  -
+piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_4  captured   66  -          -
+piece_5  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_6  captured   30  -          -""",
         )
 
     def test_mixtral_v1(self):
@@ -915,12 +1381,12 @@ piece_6  captured   51  -          -
 
 graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    5  -          -
-piece_1  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_2  captured   33  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   75  -          -
-piece_5  eager       1  attention  preset:sdpa,region:attention
+piece_0  captured    2  -          -
+piece_1  eager      12  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_2  captured   30  -          -
+piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_4  captured   71  -          -
+piece_5  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
 piece_6  captured   51  -          -""",
         )
 
@@ -944,13 +1410,15 @@ piece_2  captured   73  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured   51  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 5 pieces, 3 captured, 2 eager
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured   48  attn_prep  -
-piece_1  eager       1  attention  preset:sdpa,region:attention
-piece_2  captured   75  -          -
-piece_3  eager       1  attention  preset:sdpa,region:attention
-piece_4  captured   51  -          -""",
+piece_0  captured    2  -          -
+piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_2  captured   41  attn_prep  -
+piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_4  captured   71  -          -
+piece_5  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_6  captured   51  -          -""",
         )
 
     def test_gpt_oss_v1(self):
@@ -963,17 +1431,39 @@ piece_0  captured   31  -          -
 piece_1  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
 piece_2  captured  208  -          -
 
-graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   35  -          -
-piece_1  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_2  captured  204  -          -
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    2  -          -
+piece_1   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured   11  -          -
+piece_3   eager       3  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    3  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured    1  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   11  -          -
+piece_9   eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_10  captured   35  -          -
+piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_12  captured  168  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
-piece    kind      ops  regions    reasons
-piece_0  captured   37  -          -
-piece_1  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_2  captured  203  -          -""",
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 15 pieces, 8 captured, 7 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    2  -          -
+piece_1   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].values.size(2)
+piece_2   captured    3  -          -
+piece_3   eager      10  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].values.size(2)
+piece_4   captured    3  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured    1  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   11  -          -
+piece_9   eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_10  captured   35  -          -
+piece_11  eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_12  captured   95  -          -
+piece_13  eager      19  -          dynamic:cache.layers[1].values.size(2)
+piece_14  captured   52  -          -""",
         )
 
     def test_gpt_oss_v2(self):
@@ -984,13 +1474,35 @@ graph_0 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0
 piece    kind      ops  regions    reasons
 piece_0  captured  248  attn_prep  -
 
-graph_1 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
-piece    kind      ops  regions    reasons
-piece_0  captured  248  attn_prep  -
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 11 pieces, 6 captured, 5 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    2  -          -
+piece_1   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured   11  -          -
+piece_3   eager       3  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured    3  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured    1  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   55  attn_prep  -
+piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_10  captured  168  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0 eager
-piece    kind      ops  regions    reasons
-piece_0  captured  249  attn_prep  -""",
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 13 pieces, 7 captured, 6 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    2  -          -
+piece_1   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].values.size(2)
+piece_2   captured    3  -          -
+piece_3   eager      10  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].values.size(2)
+piece_4   captured    3  -          -
+piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6   captured    1  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   55  attn_prep  -
+piece_9   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_10  captured   95  -          -
+piece_11  eager      19  -          dynamic:cache.layers[1].values.size(2)
+piece_12  captured   52  -          -""",
         )
 
 

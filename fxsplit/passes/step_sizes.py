@@ -30,9 +30,11 @@ A node is marked ``dynamic:<what>`` (``<what>`` in the model's terms, such as
 ``cache.layers[0].keys.size(2)``) when its value or one of its inputs holds a step size. A host
 value nobody reads that depends on a step size (Dynamo keeps the ``x.numel()`` and ``sym_sum``
 results it traced but never used) is dropped: left in place it would sit alone between captured
-nodes and cut a captured piece in two. Symbols of data-dependent sizes (unbacked, from
-``nonzero`` and the like) have no source and are left alone: the op that makes them runs
-eagerly already. Float symbols are left alone too: Dynamo lifts float attributes (a norm's
+nodes and cut a captured piece in two. For the same reason, pure work built from host values
+and constants that only feeds such nodes (an ``arange`` the positions are added to) moves
+right before its first user and runs eagerly with it. Symbols of data-dependent sizes
+(unbacked, from ``nonzero`` and the like) have no source and are left alone: the op that makes
+them runs eagerly already. Float symbols are left alone too: Dynamo lifts float attributes (a norm's
 ``eps``, a scale) as symbols without having seen them change.
 """
 
@@ -43,6 +45,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, Node
+
+from fxsplit.passes import global_state
+from fxsplit.passes.ops import op_names
 
 __all__ = ["StepSizes", "describe", "find", "symbols"]
 
@@ -123,7 +128,73 @@ def find(graph: Graph, size_input: Node | None, leading_only: bool = False) -> S
             graph.erase_node(node)
             continue
         found.reasons[node] = tuple(sorted({f"dynamic:{step[s]}" for s in read}))
+    _gather(graph, found.reasons)
     return found
+
+
+def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
+    """Move the pure work that only feeds nodes in ``reasons`` (``arange`` before
+    ``arange + past_length``, host arithmetic on a cache's counter) right before its first
+    user, into ``reasons`` with its users' reasons: left where Dynamo traced it, it would stand
+    alone between eager nodes as a captured piece of one or two ops. Only work built from host
+    values and constants moves (it reads no tensor a mutation could change on the way), and
+    never across a global-state switch (grad mode, autocast)."""
+    built: set[Node] = set()
+    for node in graph.nodes:
+        if (
+            node.op in ("call_function", "call_method")
+            and not node.is_impure()
+            and not global_state.is_state_node(node)
+            and all(a in built or _constant(a) for a in node.all_input_nodes)
+            and (_constant(node) or not _writes(node))
+        ):
+            built.add(node)
+    for node in reversed(list(graph.nodes)):
+        if node not in built or not node.users or not all(u in reasons for u in node.users):
+            continue
+        first = _first_user(node)
+        if first is None:
+            continue
+        if first is not node.next:
+            first.prepend(node)
+        reasons[node] = tuple(
+            sorted({*reasons.get(node, ()), *(r for u in node.users for r in reasons[u])})
+        )
+
+
+def _writes(node: Node) -> bool:
+    """Whether the op may write an input, from its schemas: an in-place op (``add_``,
+    ``index_put_``, a setitem) has no overload that leaves its arguments alone, where a
+    functional one's only writing overloads are its ``out=`` variants. Unknown: it may."""
+    names = op_names(node)
+    if names is None:
+        return True
+    namespace, _, name = names[0].partition("::")
+    packet = getattr(getattr(torch.ops, namespace, None), name, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return True
+    schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
+    return all(s.is_mutable for s in schemas if not any(a.is_out for a in s.arguments))
+
+
+def _constant(node: Node) -> bool:
+    """A host value (a SymInt placeholder, ``x.size(0)``) or a module constant."""
+    return node.op == "get_attr" or isinstance(
+        node.meta.get("example_value"), (*_HOST, int, float, bool)
+    )
+
+
+def _first_user(node: Node) -> Node | None:
+    """``node``'s first user in graph order, None where a global-state switch lies between."""
+    users = node.users
+    current = node.next
+    while current.op != "root":
+        if current in users:
+            return current
+        if global_state.is_state_node(current):
+            return None
+        current = current.next
+    return None
 
 
 def _unused_host_value(node: Node) -> bool:
