@@ -245,12 +245,12 @@ piece_6  captured   57  -          -
 
 graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 11 pieces, 6 captured, 5 eager
 piece     kind      ops  regions    reasons
-piece_0   captured    2  -          -
+piece_0   captured    1  -          -
 piece_1   eager       9  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
 piece_2   captured   51  -          -
 piece_3   eager       2  -          dynamic:cache.layers[0].keys.size(2)
 piece_4   captured    1  -          -
-piece_5   eager       9  attention  dynamic:cache.layers[0].keys.size(2),preset:sdpa,region:attention
+piece_5   eager      10  attention  dynamic:cache.layers[0].keys.size(2),preset:sdpa,region:attention
 piece_6   captured   71  -          -
 piece_7   eager       2  -          dynamic:cache.layers[1].values.size(2)
 piece_8   captured    1  -          -
@@ -280,12 +280,12 @@ piece_4  captured   57  -          -
 
 graph_2 runner=v2 eager_regions=attention,sparse_indexer: 11 pieces, 6 captured, 5 eager
 piece     kind      ops  regions    reasons
-piece_0   captured    2  -          -
-piece_1   eager       3  -          dynamic:cache.layers[0].keys.size(2)
-piece_2   captured   57  attn_prep  -
+piece_0   captured    1  -          -
+piece_1   eager       2  -          dynamic:cache.layers[0].keys.size(2)
+piece_2   captured   58  attn_prep  -
 piece_3   eager       2  -          dynamic:cache.layers[0].keys.size(2)
 piece_4   captured    1  -          -
-piece_5   eager       9  attention  dynamic:cache.layers[0].keys.size(2),preset:sdpa,region:attention
+piece_5   eager      10  attention  dynamic:cache.layers[0].keys.size(2),preset:sdpa,region:attention
 piece_6   captured   71  -          -
 piece_7   eager       2  -          dynamic:cache.layers[1].values.size(2)
 piece_8   captured    1  -          -
@@ -307,187 +307,163 @@ piece_4  captured   17  -                         -
 piece_5  eager     107  attn_prep,sparse_indexer  preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
 piece_6  captured  475  -                         -
 
-graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 11 pieces, 6 captured, 5 eager
 piece     kind      ops  regions                   reasons
 piece_0   captured   28  -                         -
 piece_1   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
 piece_2   captured  386  -                         -
 piece_3   eager       1  -                         dynamic:cache.layers[1].cumulative_length
-piece_4   captured    3  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_6   captured   29  -                         -
-piece_7   eager      12  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
-piece_8   captured   17  -                         -
-piece_9   eager     116  attn_prep,sparse_indexer  dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_10  captured  279  -                         -
-piece_11  eager       1  -                         dynamic:cache.layers[2].cumulative_length
-piece_12  captured  195  -                         -
+piece_4   captured   30  -                         -
+piece_5   eager      15  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_6   captured   17  -                         -
+piece_7   eager     116  attn_prep,sparse_indexer  dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_8   captured  279  -                         -
+piece_9   eager       1  -                         dynamic:cache.layers[2].cumulative_length
+piece_10  captured  195  -                         -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 19 pieces, 10 captured, 9 eager
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 15 pieces, 8 captured, 7 eager
 piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       6  -                         dynamic:cache.layers[2].keys.size(2)
-piece_2   captured    3  -                         -
-piece_3   eager       3  -                         dynamic:cache.layers[2].keys.size(2)
-piece_4   captured    2  -                         -
-piece_5   eager       9  -                         dynamic:cache.layers[2].keys.size(2)
-piece_6   captured    3  -                         -
-piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_8   captured  113  -                         -
-piece_9   eager      19  -                         dynamic:cache.layers[0].values.size(2),dynamic:cache.layers[2].keys.size(2)
+piece_0   captured    1  -                         -
+piece_1   eager       4  -                         dynamic:cache.layers[2].keys.size(2)
+piece_2   captured    5  -                         -
+piece_3   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_4   captured  113  -                         -
+piece_5   eager      37  -                         dynamic:cache.layers[0].values.size(2),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_6   captured  253  -                         -
+piece_7   eager       2  -                         dynamic:cache.layers[1].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_8   captured    3  -                         -
+piece_9   eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[2].keys.size(2),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
 piece_10  captured  253  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[1].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_12  captured    3  -                         -
-piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[2].keys.size(2),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_11  eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_12  captured    2  -                         -
+piece_13  eager      25  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_14  captured  170  -                         -
+
+graph_3 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 27 pieces, 14 captured, 13 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    1  -                         -
+piece_1   eager       4  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    5  -                         -
+piece_3   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_4   captured  113  -                         -
+piece_5   eager      37  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].values.size(2),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_6   captured  253  -                         -
+piece_7   eager       2  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].cumulative_length
+piece_8   captured    3  -                         -
+piece_9   eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_10  captured   25  -                         -
+piece_11  eager      15  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_12  captured   16  -                         -
+piece_13  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
 piece_14  captured  253  -                         -
 piece_15  eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
 piece_16  captured    2  -                         -
-piece_17  eager      25  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
-piece_18  captured  170  -                         -
-
-graph_3 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 33 pieces, 17 captured, 16 eager
-piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       6  -                         dynamic:cache.layers[0].cumulative_length
-piece_2   captured    3  -                         -
-piece_3   eager       3  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    2  -                         -
-piece_5   eager       9  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured    3  -                         -
-piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_8   captured  113  -                         -
-piece_9   eager      19  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].values.size(2)
-piece_10  captured  253  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].cumulative_length
-piece_12  captured    2  -                         -
-piece_13  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_14  captured    1  -                         -
-piece_15  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_16  captured   27  -                         -
-piece_17  eager      12  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
-piece_18  captured   16  -                         -
-piece_19  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_20  captured  253  -                         -
-piece_21  eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_22  captured    2  -                         -
-piece_23  eager       8  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
-piece_24  captured    2  -                         -
-piece_25  eager       1  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
-piece_26  captured    9  -                         -
-piece_27  eager       2  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
-piece_28  captured    3  -                         -
-piece_29  eager       9  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_30  captured   18  -                         -
-piece_31  eager      21  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_32  captured  170  -                         -
-
-graph_4 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 21 pieces, 11 captured, 10 eager
-piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
-piece_2   captured    3  -                         -
-piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured   14  -                         -
-piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_8   captured  113  -                         -
-piece_9   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_10  captured    0  -                         -
-piece_11  eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_12  captured  272  -                         -
-piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_14  captured    3  -                         -
-piece_15  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_16  captured  253  -                         -
-piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_18  captured    4  -                         -
-piece_19  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
-piece_20  captured  170  -                         -
-
-graph_5 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 27 pieces, 14 captured, 13 eager
-piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
-piece_2   captured    3  -                         -
-piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured   14  -                         -
-piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_8   captured  113  -                         -
-piece_9   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_10  captured    0  -                         -
-piece_11  eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_12  captured  272  -                         -
-piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_14  captured    2  -                         -
-piece_15  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_16  captured    1  -                         -
-piece_17  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_18  captured   27  -                         -
-piece_19  eager      12  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
-piece_20  captured   16  -                         -
-piece_21  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_22  captured  253  -                         -
-piece_23  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_24  captured    6  -                         -
-piece_25  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_17  eager       8  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_18  captured    2  -                         -
+piece_19  eager       1  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_20  captured    9  -                         -
+piece_21  eager       2  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_22  captured    3  -                         -
+piece_23  eager       9  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_24  captured   18  -                         -
+piece_25  eager      21  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[2].keys.size(2)
 piece_26  captured  170  -                         -
 
-graph_6 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 21 pieces, 11 captured, 10 eager
+graph_4 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 19 pieces, 10 captured, 9 eager
 piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_0   captured    1  -                         -
+piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -                         -
-piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured   14  -                         -
-piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_8   captured  113  -                         -
-piece_9   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_10  captured    0  -                         -
-piece_11  eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_12  captured  272  -                         -
-piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_14  captured    3  -                         -
-piece_15  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_16  captured  253  -                         -
-piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_18  captured    2  -                         -
-piece_19  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
-piece_20  captured  170  -                         -
+piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured   14  -                         -
+piece_5   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_6   captured  113  -                         -
+piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_8   captured    0  -                         -
+piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_10  captured  272  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_12  captured    3  -                         -
+piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_14  captured  253  -                         -
+piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_16  captured    4  -                         -
+piece_17  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_18  captured  170  -                         -
 
-graph_7 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 27 pieces, 14 captured, 13 eager
+graph_5 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 23 pieces, 12 captured, 11 eager
 piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_0   captured    1  -                         -
+piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -                         -
-piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured   14  -                         -
-piece_7   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
-piece_8   captured  113  -                         -
-piece_9   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_10  captured    0  -                         -
-piece_11  eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_12  captured  272  -                         -
-piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_14  captured    2  -                         -
-piece_15  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_16  captured    1  -                         -
-piece_17  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_18  captured   27  -                         -
-piece_19  eager      12  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
-piece_20  captured   16  -                         -
-piece_21  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_22  captured  253  -                         -
-piece_23  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_24  captured    2  -                         -
-piece_25  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
-piece_26  captured  170  -                         -""",
+piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured   14  -                         -
+piece_5   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_6   captured  113  -                         -
+piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_8   captured    0  -                         -
+piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_10  captured  272  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_12  captured    3  -                         -
+piece_13  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_14  captured   25  -                         -
+piece_15  eager      15  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_16  captured   16  -                         -
+piece_17  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_18  captured  253  -                         -
+piece_19  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_20  captured    6  -                         -
+piece_21  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_22  captured  170  -                         -
+
+graph_6 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 19 pieces, 10 captured, 9 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    1  -                         -
+piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured   14  -                         -
+piece_5   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_6   captured  113  -                         -
+piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_8   captured    0  -                         -
+piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_10  captured  272  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_12  captured    3  -                         -
+piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_14  captured  253  -                         -
+piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_16  captured    2  -                         -
+piece_17  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_18  captured  170  -                         -
+
+graph_7 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 23 pieces, 12 captured, 11 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    1  -                         -
+piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured   14  -                         -
+piece_5   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
+piece_6   captured  113  -                         -
+piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_8   captured    0  -                         -
+piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_10  captured  272  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_12  captured    3  -                         -
+piece_13  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_14  captured   25  -                         -
+piece_15  eager      15  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_16  captured   16  -                         -
+piece_17  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_18  captured  253  -                         -
+piece_19  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_20  captured    2  -                         -
+piece_21  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_22  captured  170  -                         -""",
         )
 
     def test_deepseek_v4_v2(self):
@@ -500,171 +476,147 @@ piece_0  captured  490  attn_prep                 -
 piece_1  eager     107  attn_prep,sparse_indexer  preset:sparse_indexer,region:sparse_indexer
 piece_2  captured  475  -                         -
 
-graph_1 runner=v2 eager_regions=attention,sparse_indexer: 11 pieces, 6 captured, 5 eager
-piece     kind      ops  regions                   reasons
-piece_0   captured  432  attn_prep                 -
-piece_1   eager       1  -                         dynamic:cache.layers[1].cumulative_length
-piece_2   captured    3  -                         -
-piece_3   eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_4   captured   29  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_6   captured   28  attn_prep                 -
-piece_7   eager     116  attn_prep,sparse_indexer  dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
-piece_8   captured  279  -                         -
-piece_9   eager       1  -                         dynamic:cache.layers[2].cumulative_length
-piece_10  captured  195  -                         -
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 9 pieces, 5 captured, 4 eager
+piece    kind      ops  regions                   reasons
+piece_0  captured  432  attn_prep                 -
+piece_1  eager       1  -                         dynamic:cache.layers[1].cumulative_length
+piece_2  captured   30  -                         -
+piece_3  eager       4  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_4  captured   28  attn_prep                 -
+piece_5  eager     116  attn_prep,sparse_indexer  dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
+piece_6  captured  279  -                         -
+piece_7  eager       1  -                         dynamic:cache.layers[2].cumulative_length
+piece_8  captured  195  -                         -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 17 pieces, 9 captured, 8 eager
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       6  -                         dynamic:cache.layers[2].keys.size(2)
-piece_2   captured    3  -                         -
-piece_3   eager       3  -                         dynamic:cache.layers[2].keys.size(2)
-piece_4   captured    2  -                         -
-piece_5   eager       9  -                         dynamic:cache.layers[2].keys.size(2)
-piece_6   captured  134  attn_prep                 -
-piece_7   eager      19  -                         dynamic:cache.layers[0].values.size(2),dynamic:cache.layers[2].keys.size(2)
+piece_0   captured    1  -                         -
+piece_1   eager       4  -                         dynamic:cache.layers[2].keys.size(2)
+piece_2   captured  136  attn_prep                 -
+piece_3   eager      37  -                         dynamic:cache.layers[0].values.size(2),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_4   captured  253  -                         -
+piece_5   eager       2  -                         dynamic:cache.layers[1].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_6   captured    3  -                         -
+piece_7   eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[2].keys.size(2),preset:sparse_indexer,region:sparse_indexer
 piece_8   captured  253  -                         -
-piece_9   eager       2  -                         dynamic:cache.layers[1].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_10  captured    3  -                         -
-piece_11  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[2].keys.size(2),preset:sparse_indexer,region:sparse_indexer
+piece_9   eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_10  captured    2  -                         -
+piece_11  eager      25  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_12  captured  170  -                         -
+
+graph_3 runner=v2 eager_regions=attention,sparse_indexer: 23 pieces, 12 captured, 11 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    1  -                         -
+piece_1   eager       4  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured  136  attn_prep                 -
+piece_3   eager      37  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].values.size(2),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_4   captured  253  -                         -
+piece_5   eager       2  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].cumulative_length
+piece_6   captured    3  -                         -
+piece_7   eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_8   captured   25  -                         -
+piece_9   eager       4  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_10  captured   27  attn_prep                 -
+piece_11  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
 piece_12  captured  253  -                         -
 piece_13  eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
 piece_14  captured    2  -                         -
-piece_15  eager      25  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_15  eager       8  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_16  captured    2  -                         -
+piece_17  eager       1  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_18  captured    9  -                         -
+piece_19  eager       2  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
+piece_20  captured   30  attn_prep                 -
+piece_21  eager      21  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_22  captured  170  -                         -
+
+graph_4 runner=v2 eager_regions=attention,sparse_indexer: 17 pieces, 9 captured, 8 eager
+piece     kind      ops  regions                   reasons
+piece_0   captured    1  -                         -
+piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
+piece_2   captured    3  -                         -
+piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured  145  attn_prep                 -
+piece_5   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_6   captured    0  -                         -
+piece_7   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_8   captured  272  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_10  captured    3  -                         -
+piece_11  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
+piece_12  captured  253  -                         -
+piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_14  captured    4  -                         -
+piece_15  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
 piece_16  captured  170  -                         -
 
-graph_3 runner=v2 eager_regions=attention,sparse_indexer: 29 pieces, 15 captured, 14 eager
+graph_5 runner=v2 eager_regions=attention,sparse_indexer: 21 pieces, 11 captured, 10 eager
 piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       6  -                         dynamic:cache.layers[0].cumulative_length
+piece_0   captured    1  -                         -
+piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -                         -
-piece_3   eager       3  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    2  -                         -
-piece_5   eager       9  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured  134  attn_prep                 -
-piece_7   eager      19  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].values.size(2)
-piece_8   captured  253  -                         -
-piece_9   eager       2  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].cumulative_length
-piece_10  captured    2  -                         -
-piece_11  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_12  captured    1  -                         -
-piece_13  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_14  captured   27  -                         -
-piece_15  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_16  captured   27  attn_prep                 -
-piece_17  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
-piece_18  captured  253  -                         -
-piece_19  eager       2  -                         dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_20  captured    2  -                         -
-piece_21  eager       8  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
-piece_22  captured    2  -                         -
-piece_23  eager       1  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
-piece_24  captured    9  -                         -
-piece_25  eager       2  -                         dynamic:cache.layers[2].buffer_kv['compressor'].size(1)
-piece_26  captured   30  attn_prep                 -
-piece_27  eager      21  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_28  captured  170  -                         -
+piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured  145  attn_prep                 -
+piece_5   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_6   captured    0  -                         -
+piece_7   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_8   captured  272  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_10  captured    3  -                         -
+piece_11  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_12  captured   25  -                         -
+piece_13  eager       4  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_14  captured   27  attn_prep                 -
+piece_15  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
+piece_16  captured  253  -                         -
+piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_18  captured    6  -                         -
+piece_19  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_20  captured  170  -                         -
 
-graph_4 runner=v2 eager_regions=attention,sparse_indexer: 19 pieces, 10 captured, 9 eager
+graph_6 runner=v2 eager_regions=attention,sparse_indexer: 17 pieces, 9 captured, 8 eager
 piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_0   captured    1  -                         -
+piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -                         -
-piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured  145  attn_prep                 -
-piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_8   captured    0  -                         -
-piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_10  captured  272  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_12  captured    3  -                         -
-piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
-piece_14  captured  253  -                         -
-piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_16  captured    4  -                         -
-piece_17  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
-piece_18  captured  170  -                         -
+piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured  145  attn_prep                 -
+piece_5   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_6   captured    0  -                         -
+piece_7   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_8   captured  272  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_10  captured    3  -                         -
+piece_11  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
+piece_12  captured  253  -                         -
+piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_14  captured    2  -                         -
+piece_15  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_16  captured  170  -                         -
 
-graph_5 runner=v2 eager_regions=attention,sparse_indexer: 25 pieces, 13 captured, 12 eager
+graph_7 runner=v2 eager_regions=attention,sparse_indexer: 21 pieces, 11 captured, 10 eager
 piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
+piece_0   captured    1  -                         -
+piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -                         -
-piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured  145  attn_prep                 -
-piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_8   captured    0  -                         -
-piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_10  captured  272  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_12  captured    2  -                         -
-piece_13  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_14  captured    1  -                         -
-piece_15  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_16  captured   27  -                         -
-piece_17  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_18  captured   27  attn_prep                 -
-piece_19  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
-piece_20  captured  253  -                         -
-piece_21  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_22  captured    6  -                         -
-piece_23  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
-piece_24  captured  170  -                         -
-
-graph_6 runner=v2 eager_regions=attention,sparse_indexer: 19 pieces, 10 captured, 9 eager
-piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
-piece_2   captured    3  -                         -
-piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured  145  attn_prep                 -
-piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_8   captured    0  -                         -
-piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_10  captured  272  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_12  captured    3  -                         -
-piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
-piece_14  captured  253  -                         -
-piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_16  captured    2  -                         -
-piece_17  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
-piece_18  captured  170  -                         -
-
-graph_7 runner=v2 eager_regions=attention,sparse_indexer: 25 pieces, 13 captured, 12 eager
-piece     kind      ops  regions                   reasons
-piece_0   captured    2  -                         -
-piece_1   eager       5  -                         dynamic:cache.layers[0].cumulative_length
-piece_2   captured    3  -                         -
-piece_3   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -                         -
-piece_5   eager       1  -                         dynamic:cache.layers[0].cumulative_length
-piece_6   captured  145  attn_prep                 -
-piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_8   captured    0  -                         -
-piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_10  captured  272  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_12  captured    2  -                         -
-piece_13  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_14  captured    1  -                         -
-piece_15  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_16  captured   27  -                         -
-piece_17  eager       1  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_18  captured   27  attn_prep                 -
-piece_19  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
-piece_20  captured  253  -                         -
-piece_21  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_22  captured    2  -                         -
-piece_23  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
-piece_24  captured  170  -                         -""",
+piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
+piece_4   captured  145  attn_prep                 -
+piece_5   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
+piece_6   captured    0  -                         -
+piece_7   eager       0  -                         dynamic:cache.layers[0].values.size(2)
+piece_8   captured  272  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_10  captured    3  -                         -
+piece_11  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_12  captured   25  -                         -
+piece_13  eager       4  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_14  captured   27  attn_prep                 -
+piece_15  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
+piece_16  captured  253  -                         -
+piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_18  captured    2  -                         -
+piece_19  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_20  captured  170  -                         -""",
         )
 
     def test_granite_moe_v1(self):
@@ -693,8 +645,8 @@ piece_6  captured   52  -          -
 
 graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 9 pieces, 5 captured, 4 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    2  -          -
-piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].keys.size(2)
 piece_2  captured    2  -          -
 piece_3  eager      10  attn_prep  preset:rotary_embedding,region:attn_prep
 piece_4  captured   30  -          -
@@ -1431,39 +1383,31 @@ piece_0  captured   31  -          -
 piece_1  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
 piece_2  captured  208  -          -
 
-graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
-piece     kind      ops  regions    reasons
-piece_0   captured    2  -          -
-piece_1   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_2   captured   11  -          -
-piece_3   eager       3  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    3  -          -
-piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured    1  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   11  -          -
-piece_9   eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_10  captured   35  -          -
-piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_12  captured  168  -          -
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 9 pieces, 5 captured, 4 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].cumulative_length
+piece_2  captured   13  -          -
+piece_3  eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_4  captured   11  -          -
+piece_5  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_6  captured   35  -          -
+piece_7  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8  captured  168  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 15 pieces, 8 captured, 7 eager
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 11 pieces, 6 captured, 5 eager
 piece     kind      ops  regions    reasons
-piece_0   captured    2  -          -
-piece_1   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].values.size(2)
-piece_2   captured    3  -          -
-piece_3   eager      10  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].values.size(2)
-piece_4   captured    3  -          -
-piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured    1  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   11  -          -
-piece_9   eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_10  captured   35  -          -
-piece_11  eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_12  captured   95  -          -
-piece_13  eager      19  -          dynamic:cache.layers[1].values.size(2)
-piece_14  captured   52  -          -""",
+piece_0   captured    1  -          -
+piece_1   eager       2  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured    5  -          -
+piece_3   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   11  -          -
+piece_5   eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_6   captured   35  -          -
+piece_7   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_8   captured   95  -          -
+piece_9   eager      28  -          dynamic:cache.layers[1].values.size(2)
+piece_10  captured   52  -          -""",
         )
 
     def test_gpt_oss_v2(self):
@@ -1474,35 +1418,27 @@ graph_0 runner=v2 eager_regions=attention,sparse_indexer: 1 piece, 1 captured, 0
 piece    kind      ops  regions    reasons
 piece_0  captured  248  attn_prep  -
 
-graph_1 runner=v2 eager_regions=attention,sparse_indexer: 11 pieces, 6 captured, 5 eager
-piece     kind      ops  regions    reasons
-piece_0   captured    2  -          -
-piece_1   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_2   captured   11  -          -
-piece_3   eager       3  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    3  -          -
-piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured    1  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   55  attn_prep  -
-piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_10  captured  168  -          -
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 7 pieces, 4 captured, 3 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].cumulative_length
+piece_2  captured   13  -          -
+piece_3  eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_4  captured   55  attn_prep  -
+piece_5  eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_6  captured  168  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 13 pieces, 7 captured, 6 eager
-piece     kind      ops  regions    reasons
-piece_0   captured    2  -          -
-piece_1   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].values.size(2)
-piece_2   captured    3  -          -
-piece_3   eager      10  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].values.size(2)
-piece_4   captured    3  -          -
-piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured    1  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   55  attn_prep  -
-piece_9   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_10  captured   95  -          -
-piece_11  eager      19  -          dynamic:cache.layers[1].values.size(2)
-piece_12  captured   52  -          -""",
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 9 pieces, 5 captured, 4 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].cumulative_length
+piece_2  captured    5  -          -
+piece_3  eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_4  captured   55  attn_prep  -
+piece_5  eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_6  captured   95  -          -
+piece_7  eager      28  -          dynamic:cache.layers[1].values.size(2)
+piece_8  captured   52  -          -""",
         )
 
 

@@ -113,8 +113,9 @@ def find(graph: Graph, size_input: Node | None, leading_only: bool = False) -> S
         return found
     step = found.symbols
     made: dict[Node, set] = {}
+    cache: dict = {}
     for node in graph.nodes:
-        mine = {s for s in symbols(node.meta.get("example_value")) if s in step}
+        mine = {s for s in symbols(node.meta.get("example_value"), cache) if s in step}
         made[node] = mine
         if node.op in ("placeholder", "get_attr", "output"):
             continue
@@ -139,14 +140,15 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     alone between eager nodes as a captured piece of one or two ops. Only work built from host
     values and constants moves (it reads no tensor a mutation could change on the way), and
     never across a global-state switch (grad mode, autocast)."""
+    constant = {n for n in graph.nodes if _constant(n)}
     built: set[Node] = set()
     for node in graph.nodes:
         if (
             node.op in ("call_function", "call_method")
+            and all(a in built or a in constant for a in node.all_input_nodes)
             and not node.is_impure()
             and not global_state.is_state_node(node)
-            and all(a in built or _constant(a) for a in node.all_input_nodes)
-            and (_constant(node) or not _writes(node))
+            and (node in constant or not _writes(node))
         ):
             built.add(node)
     for node in reversed(list(graph.nodes)):
@@ -214,29 +216,35 @@ def _shape_env(graph: Graph):
     return None
 
 
-def symbols(value: object) -> set:
+def symbols(value: object, cache: dict | None = None) -> set:
     """The free symbols of a node's value (a tensor's sizes, strides and offset, a SymInt, or
-    tuples and lists of them), after the ShapeEnv's replacements."""
+    tuples and lists of them), after the ShapeEnv's replacements; ``cache`` keeps each
+    expression's symbols across calls (sympy computes them anew every time)."""
     found: set = set()
-    _collect(value, found)
+    _collect(value, found, {} if cache is None else cache)
     return found
 
 
-def _collect(value: object, found: set) -> None:
-    if isinstance(value, _HOST):
-        found.update(value.node.expr.free_symbols)
-    elif isinstance(value, torch.Tensor):
-        for part in (value.shape, value.stride() if value.layout == torch.strided else ()):
-            for size in part:
-                if isinstance(size, torch.SymInt):
-                    found.update(size.node.expr.free_symbols)
-        if value.layout == torch.strided:
-            offset = value.storage_offset()
-            if isinstance(offset, torch.SymInt):
-                found.update(offset.node.expr.free_symbols)
+def _collect(value: object, found: set, cache: dict) -> None:
+    if isinstance(value, torch.Tensor):
+        strided = value.layout == torch.strided
+        parts = (*value.shape, *value.stride(), value.storage_offset()) if strided else value.shape
+        for size in parts:
+            if isinstance(size, torch.SymInt):
+                _expression(size, found, cache)
+    elif isinstance(value, _HOST):
+        _expression(value, found, cache)
     elif isinstance(value, (tuple, list)):
         for item in value:
-            _collect(item, found)
+            _collect(item, found, cache)
+
+
+def _expression(value, found: set, cache: dict) -> None:
+    expr = value.node.expr
+    known = cache.get(expr)
+    if known is None:
+        known = cache[expr] = expr.free_symbols
+    found.update(known)
 
 
 def _carried_state(source) -> bool:
