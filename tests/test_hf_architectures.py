@@ -678,8 +678,8 @@ piece_4  captured   52  -          -
 
 graph_2 runner=v2 eager_regions=attention,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    2  -          -
-piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].keys.size(2)
 piece_2  captured   42  attn_prep  -
 piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
 piece_4  captured   71  -          -
@@ -699,49 +699,39 @@ piece_2  captured  129  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured  107  -          -
 
-graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 17 pieces, 9 captured, 8 eager
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions    reasons
-piece_0   captured   10  -          -
-piece_1   eager       5  -          dynamic:cache.layers[0].cumulative_length
+piece_0   captured    9  -          -
+piece_1   eager       2  -          dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -          -
-piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -          -
+piece_3   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   67  -          -
 piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured   67  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured    3  -          -
-piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_10  captured    1  -          -
-piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_12  captured   17  -          -
-piece_13  eager       1  attention  preset:sdpa,region:attention
-piece_14  captured  122  -          -
-piece_15  eager       1  attention  preset:sdpa,region:attention
-piece_16  captured  107  -          -
+piece_6   captured    2  -          -
+piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   17  -          -
+piece_9   eager       1  attention  preset:sdpa,region:attention
+piece_10  captured  122  -          -
+piece_11  eager       1  attention  preset:sdpa,region:attention
+piece_12  captured  107  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 21 pieces, 11 captured, 10 eager
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 15 pieces, 8 captured, 7 eager
 piece     kind      ops  regions    reasons
-piece_0   captured   10  -          -
-piece_1   eager       6  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].keys.size(2)
+piece_0   captured    9  -          -
+piece_1   eager       2  -          dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -          -
-piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -          -
-piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured   67  -          -
-piece_7   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_8   captured    1  -          -
-piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_10  captured    1  -          -
-piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_12  captured   17  -          -
-piece_13  eager       1  attention  preset:sdpa,region:attention
-piece_14  captured  104  -          -
-piece_15  eager       4  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
-piece_16  captured    1  -          -
-piece_17  eager       1  -          dynamic:cache.layers[1].keys.size(2)
-piece_18  captured    3  -          -
-piece_19  eager      10  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_20  captured  107  -          -""",
+piece_3   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   67  -          -
+piece_5   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_6   captured    0  -          -
+piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   17  -          -
+piece_9   eager       1  attention  preset:sdpa,region:attention
+piece_10  captured  104  -          -
+piece_11  eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_12  captured    3  -          -
+piece_13  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_14  captured  107  -          -""",
         )
 
     def test_inkling_v2(self):
@@ -756,49 +746,39 @@ piece_2  captured  129  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured  107  -          -
 
-graph_1 runner=v2 eager_regions=attention,sparse_indexer: 17 pieces, 9 captured, 8 eager
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions    reasons
-piece_0   captured   10  -          -
-piece_1   eager       5  -          dynamic:cache.layers[0].cumulative_length
+piece_0   captured    9  -          -
+piece_1   eager       2  -          dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -          -
-piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -          -
+piece_3   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   67  -          -
 piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured   67  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured    3  -          -
-piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_10  captured    1  -          -
-piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_12  captured   17  -          -
-piece_13  eager       1  attention  preset:sdpa,region:attention
-piece_14  captured  122  -          -
-piece_15  eager       1  attention  preset:sdpa,region:attention
-piece_16  captured  107  -          -
+piece_6   captured    2  -          -
+piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   17  -          -
+piece_9   eager       1  attention  preset:sdpa,region:attention
+piece_10  captured  122  -          -
+piece_11  eager       1  attention  preset:sdpa,region:attention
+piece_12  captured  107  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 21 pieces, 11 captured, 10 eager
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 15 pieces, 8 captured, 7 eager
 piece     kind      ops  regions    reasons
-piece_0   captured   10  -          -
-piece_1   eager       6  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].keys.size(2)
+piece_0   captured    9  -          -
+piece_1   eager       2  -          dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -          -
-piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -          -
-piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured   67  -          -
-piece_7   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_8   captured    1  -          -
-piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_10  captured    1  -          -
-piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_12  captured   17  -          -
-piece_13  eager       1  attention  preset:sdpa,region:attention
-piece_14  captured  104  -          -
-piece_15  eager       4  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
-piece_16  captured    1  -          -
-piece_17  eager       1  -          dynamic:cache.layers[1].keys.size(2)
-piece_18  captured    3  -          -
-piece_19  eager      10  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_20  captured  107  -          -""",
+piece_3   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   67  -          -
+piece_5   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_6   captured    0  -          -
+piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   17  -          -
+piece_9   eager       1  attention  preset:sdpa,region:attention
+piece_10  captured  104  -          -
+piece_11  eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_12  captured    3  -          -
+piece_13  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_14  captured  107  -          -""",
         )
 
     def test_inkling_cond_gen_v1(self):
@@ -813,53 +793,39 @@ piece_2  captured  129  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured  107  -          -
 
-graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 19 pieces, 10 captured, 9 eager
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions    reasons
-piece_0   captured    9  -          -
-piece_1   eager       3  -          dynamic:cache.layers[0].cumulative_length
-piece_2   captured    3  -          -
-piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -          -
+piece_0   captured   11  -          -
+piece_1   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured    9  -          -
+piece_3   eager       2  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   59  -          -
 piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured   10  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   59  -          -
-piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_10  captured    3  -          -
-piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_12  captured    1  -          -
-piece_13  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_14  captured   17  -          -
-piece_15  eager       1  attention  preset:sdpa,region:attention
-piece_16  captured  122  -          -
-piece_17  eager       1  attention  preset:sdpa,region:attention
-piece_18  captured  107  -          -
+piece_6   captured    2  -          -
+piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   17  -          -
+piece_9   eager       1  attention  preset:sdpa,region:attention
+piece_10  captured  122  -          -
+piece_11  eager       1  attention  preset:sdpa,region:attention
+piece_12  captured  107  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 23 pieces, 12 captured, 11 eager
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 15 pieces, 8 captured, 7 eager
 piece     kind      ops  regions    reasons
-piece_0   captured    9  -          -
-piece_1   eager       4  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].keys.size(2)
-piece_2   captured    3  -          -
-piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -          -
-piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured   10  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   59  -          -
-piece_9   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_10  captured    1  -          -
-piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_12  captured    1  -          -
-piece_13  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_14  captured   17  -          -
-piece_15  eager       1  attention  preset:sdpa,region:attention
-piece_16  captured  104  -          -
-piece_17  eager       4  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
-piece_18  captured    1  -          -
-piece_19  eager       1  -          dynamic:cache.layers[1].keys.size(2)
-piece_20  captured    3  -          -
-piece_21  eager      10  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_22  captured  107  -          -""",
+piece_0   captured   11  -          -
+piece_1   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured    9  -          -
+piece_3   eager       2  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   59  -          -
+piece_5   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_6   captured    0  -          -
+piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   17  -          -
+piece_9   eager       1  attention  preset:sdpa,region:attention
+piece_10  captured  104  -          -
+piece_11  eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_12  captured    3  -          -
+piece_13  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_14  captured  107  -          -""",
         )
 
     def test_inkling_cond_gen_v2(self):
@@ -874,53 +840,39 @@ piece_2  captured  129  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured  107  -          -
 
-graph_1 runner=v2 eager_regions=attention,sparse_indexer: 19 pieces, 10 captured, 9 eager
+graph_1 runner=v2 eager_regions=attention,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions    reasons
-piece_0   captured    9  -          -
-piece_1   eager       3  -          dynamic:cache.layers[0].cumulative_length
-piece_2   captured    3  -          -
-piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -          -
+piece_0   captured   11  -          -
+piece_1   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured    9  -          -
+piece_3   eager       2  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   59  -          -
 piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured   10  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   59  -          -
-piece_9   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_10  captured    3  -          -
-piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_12  captured    1  -          -
-piece_13  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_14  captured   17  -          -
-piece_15  eager       1  attention  preset:sdpa,region:attention
-piece_16  captured  122  -          -
-piece_17  eager       1  attention  preset:sdpa,region:attention
-piece_18  captured  107  -          -
+piece_6   captured    2  -          -
+piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   17  -          -
+piece_9   eager       1  attention  preset:sdpa,region:attention
+piece_10  captured  122  -          -
+piece_11  eager       1  attention  preset:sdpa,region:attention
+piece_12  captured  107  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 23 pieces, 12 captured, 11 eager
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 15 pieces, 8 captured, 7 eager
 piece     kind      ops  regions    reasons
-piece_0   captured    9  -          -
-piece_1   eager       4  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[1].keys.size(2)
-piece_2   captured    3  -          -
-piece_3   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_4   captured    1  -          -
-piece_5   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_6   captured   10  -          -
-piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   59  -          -
-piece_9   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_10  captured    1  -          -
-piece_11  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_12  captured    1  -          -
-piece_13  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_14  captured   17  -          -
-piece_15  eager       1  attention  preset:sdpa,region:attention
-piece_16  captured  104  -          -
-piece_17  eager       4  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
-piece_18  captured    1  -          -
-piece_19  eager       1  -          dynamic:cache.layers[1].keys.size(2)
-piece_20  captured    3  -          -
-piece_21  eager      10  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_22  captured  107  -          -""",
+piece_0   captured   11  -          -
+piece_1   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured    9  -          -
+piece_3   eager       2  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   59  -          -
+piece_5   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_6   captured    0  -          -
+piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured   17  -          -
+piece_9   eager       1  attention  preset:sdpa,region:attention
+piece_10  captured  104  -          -
+piece_11  eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_12  captured    3  -          -
+piece_13  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_14  captured  107  -          -""",
         )
 
     def test_longcat_flash_v1(self):
@@ -1125,19 +1077,17 @@ piece_4  captured   80  -          -
 piece_5  eager       1  attention  preset:sdpa,region:attention
 piece_6  captured   58  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 11 pieces, 6 captured, 5 eager
-piece     kind      ops  regions    reasons
-piece_0   captured    2  -          -
-piece_1   eager       3  -          dynamic:cache.layers[0].keys.size(2)
-piece_2   captured    3  -          -
-piece_3   eager       3  -          dynamic:cache.layers[0].keys.size(2)
-piece_4   captured    2  -          -
-piece_5   eager      17  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
-piece_6   captured   30  -          -
-piece_7   eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
-piece_8   captured   78  -          -
-piece_9   eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_10  captured   58  -          -""",
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 9 pieces, 5 captured, 4 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].keys.size(2)
+piece_2  captured    3  -          -
+piece_3  eager      24  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_4  captured   30  -          -
+piece_5  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_6  captured   78  -          -
+piece_7  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_8  captured   58  -          -""",
         )
 
     def test_qwen2_moe_v2(self):
@@ -1160,19 +1110,17 @@ piece_2  captured   80  -          -
 piece_3  eager       1  attention  preset:sdpa,region:attention
 piece_4  captured   58  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 11 pieces, 6 captured, 5 eager
-piece     kind      ops  regions    reasons
-piece_0   captured    2  -          -
-piece_1   eager       3  -          dynamic:cache.layers[0].keys.size(2)
-piece_2   captured    3  -          -
-piece_3   eager       3  -          dynamic:cache.layers[0].keys.size(2)
-piece_4   captured    2  -          -
-piece_5   eager       7  -          dynamic:cache.layers[0].keys.size(2)
-piece_6   captured   40  attn_prep  -
-piece_7   eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
-piece_8   captured   78  -          -
-piece_9   eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_10  captured   58  -          -""",
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 9 pieces, 5 captured, 4 eager
+piece    kind      ops  regions    reasons
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].keys.size(2)
+piece_2  captured    3  -          -
+piece_3  eager      14  -          dynamic:cache.layers[0].keys.size(2)
+piece_4  captured   40  attn_prep  -
+piece_5  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
+piece_6  captured   78  -          -
+piece_7  eager       3  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_8  captured   58  -          -""",
         )
 
     def test_llama_v1(self):
@@ -1201,8 +1149,8 @@ piece_6  captured   30  -          -
 
 graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    2  -          -
-piece_1  eager      12  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_0  captured    1  -          -
+piece_1  eager      13  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
 piece_2  captured   30  -          -
 piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
 piece_4  captured   50  -          -
@@ -1232,8 +1180,8 @@ piece_4  captured   30  -          -
 
 graph_2 runner=v2 eager_regions=attention,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    2  -          -
-piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].keys.size(2)
 piece_2  captured   41  attn_prep  -
 piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
 piece_4  captured   50  -          -
@@ -1267,8 +1215,8 @@ piece_6  captured   30  -          -
 
 graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    2  -          -
-piece_1  eager      12  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_0  captured    1  -          -
+piece_1  eager      13  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
 piece_2  captured   46  -          -
 piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
 piece_4  captured   66  -          -
@@ -1298,8 +1246,8 @@ piece_4  captured   30  -          -
 
 graph_2 runner=v2 eager_regions=attention,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    2  -          -
-piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].keys.size(2)
 piece_2  captured   57  attn_prep  -
 piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
 piece_4  captured   66  -          -
@@ -1333,8 +1281,8 @@ piece_6  captured   51  -          -
 
 graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    2  -          -
-piece_1  eager      12  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_0  captured    1  -          -
+piece_1  eager      13  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
 piece_2  captured   30  -          -
 piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
 piece_4  captured   71  -          -
@@ -1364,8 +1312,8 @@ piece_4  captured   51  -          -
 
 graph_2 runner=v2 eager_regions=attention,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
-piece_0  captured    2  -          -
-piece_1  eager       1  -          dynamic:cache.layers[0].keys.size(2)
+piece_0  captured    1  -          -
+piece_1  eager       2  -          dynamic:cache.layers[0].keys.size(2)
 piece_2  captured   41  attn_prep  -
 piece_3  eager       3  attention  dynamic:cache.layers[0].keys.size(2),dynamic:cache.layers[0].values.size(2),preset:sdpa,region:attention
 piece_4  captured   71  -          -
