@@ -61,6 +61,12 @@ SHORT_OF_TARGET = {
         "a graph per phase until its recompile limit (8) and runs the rest eagerly"
     ),
     ("DeepseekV4ForCausalLM", "static"): "transformers' StaticCache has no layer for its CSA",
+    **dict.fromkeys(
+        [("RecurrentGemmaForCausalLM", cache) for cache in CACHES],
+        "it assigns new recurrent-state buffers in forward every step, which the runtime "
+        "recognises on their second move and recaptures once more (decode steps 3 and 4): "
+        "replays start at the 6th step",
+    ),
 }
 EAGER_ATTENTION = frozenset(
     {
