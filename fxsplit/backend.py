@@ -23,6 +23,7 @@ from fxsplit.distributed import check_ranks
 from fxsplit.passes import Split, inductor, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
+from fxsplit.runtime import replay_watch
 from fxsplit.runtime.binding import is_static_input
 from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime, size_input_index
 from fxsplit.tools import dump
@@ -129,7 +130,7 @@ class Backend:
         graph_id = self._next_graph_id()
         graph_code = gm.code if config.dump_folder else ""  # the split edits the graph in place
         policy = _policy(config, frame)
-        result = _split(gm, policy, config, graph_id, mode)
+        result = _split(gm, policy, config, graph_id, mode, example_inputs, frame)
         self._compile_pieces(result, config, example_inputs, frame, bundle)
         self._record(result, policy, config)
         if config.check_ranks:  # before anything can capture
@@ -198,6 +199,7 @@ class Backend:
             frame,
         )
         self.runtimes.append(runtime)
+        _BACKENDS_WITH_RUNTIMES.add(self)
         return runtime
 
     def _dump(self, result, config, graph_code, example_inputs, frame, runtime) -> None:
@@ -261,9 +263,16 @@ class Backend:
             if runtime is not None:
                 dump.write_runtime_stats(folder, runtime.stats())
 
+    def log_replays(self) -> None:
+        """Log one line per graph whose captured pieces ran: calls, replays (share), captures
+        and uncaptured runs (``TORCH_LOGS=fxsplit``; also done at reset and at process exit)."""
+        for runtime in self.runtimes:
+            replay_watch.log_summary(runtime.graph_id, runtime.stats())
+
     def reset(self) -> None:
         """Forget every plan, compiled graph and memory pool; safe to call repeatedly."""
         self.write_runtime_stats()
+        self.log_replays()
         self._dumps.clear()
         for runtime in self.runtimes:
             runtime.reset()
@@ -303,7 +312,15 @@ def _policy(config: Config, frame: Frame | None) -> Policy:
     return policy
 
 
-def _split(gm: GraphModule, policy: Policy, config: Config, graph_id: str, mode: str) -> Split:
+def _split(
+    gm: GraphModule,
+    policy: Policy,
+    config: Config,
+    graph_id: str,
+    mode: str,
+    example_inputs,
+    frame: Frame | None,
+) -> Split:
     """The split of ``gm`` (with the aliasing analysis where anything runs or is dumped)."""
     # The split allocates many small objects while a large graph is alive; cyclic GC passes
     # over that graph would dominate its cost.
@@ -317,6 +334,8 @@ def _split(gm: GraphModule, policy: Policy, config: Config, graph_id: str, mode:
             runner=config.runner_policy.name,
             grad_at_entry=torch.is_grad_enabled(),
             analyse=mode != "off" or bool(config.dump_folder),
+            size_input=_size_input(gm, example_inputs, frame, config),
+            model_values=frame is not None and frame.model_values,
         )
     finally:
         if gc_was_enabled:
@@ -391,6 +410,18 @@ def _precompiled_frame() -> Frame | None:
     count = code.co_argcount + code.co_kwonlyargcount
     name = root.__name__ if root is not None else code.co_name
     return Frame(tuple(code.co_varnames[:count]), False, root, name, False)
+
+
+def _size_input(gm: GraphModule, example_inputs, frame: Frame | None, config: Config):
+    """Index of the graph input whose sizes are the token count (as the runtime finds it)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(example_inputs):
+        return None
+    params = [i for i, n in enumerate(placeholders) if is_static_input(n)]
+    names = frame.arg_names if frame is not None else None
+    return size_input_index(
+        placeholders, example_inputs, params, names, config.size_input, warn=False
+    )
 
 
 def _traced_size(result: Split, example_inputs, frame: Frame | None, config: Config):
@@ -476,6 +507,7 @@ def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | Non
 
 
 _BACKENDS_WITH_DUMPS: weakref.WeakSet[Backend] = weakref.WeakSet()
+_BACKENDS_WITH_RUNTIMES: weakref.WeakSet[Backend] = weakref.WeakSet()
 
 
 @atexit.register
@@ -485,6 +517,8 @@ def _write_dumps_at_exit() -> None:
             backend.write_runtime_stats()
         except OSError as error:  # a dump folder removed meanwhile must not fail the exit
             log.warning("fxsplit: could not write run-time figures: %s", error)
+    for backend in list(_BACKENDS_WITH_RUNTIMES):
+        backend.log_replays()
 
 
 # The per-process object behind backend="fxsplit" (registered by the torch_dynamo_backends entry

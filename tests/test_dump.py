@@ -332,6 +332,8 @@ def test_runtime_stats(tmp_path):
     assert saved["pieces"] == stats
     html = (folder / "report.html").read_text()
     assert "id=runtime" in html and "input_copy_bytes" in html and "1024" in html
+    summary = "2 captured pieces, 25 calls: 20 replays (80 %), 3 captures, 2 uncaptured runs"
+    assert f'<p id="replays">fxsplit graph_0: {summary}</p>' in html
     with pytest.raises(TypeError, match="piece_0"):
         dump.write_runtime_stats(folder, {"piece_0": {"T=4": {"captures": "one"}}})
     with pytest.raises(FileNotFoundError):

@@ -1,19 +1,23 @@
 """Hugging Face transformers architectures, tiny and randomly initialised, with a KV-cache decode.
 
-Every architecture :func:`fxsplit.runners.default_runner` names, plus four widely used
-references (Llama, Qwen3, Mixtral, GPT-OSS), as a tiny config built locally (nothing is
-downloaded): 2 decoder layers, hidden size 64, vocabulary 128. :func:`build` makes the model
-with deterministic weights; :func:`decode` runs a prefill and decode steps with transformers' own
-``DynamicCache`` and returns the logits of every step, the same way for eager and compiled
-models.
+Every architecture :func:`fxsplit.runners.default_runner` names, plus widely used references
+(Llama, Qwen2, Qwen3, Mistral, Mixtral, Gemma2, Gemma3, Phi3, GPT2, OPT, Bloom, GPT-OSS,
+GraniteSWA, RecurrentGemma), as a tiny config built locally (nothing is downloaded): 2 decoder
+layers, hidden size 64, vocabulary 128. :func:`build` makes the model with deterministic
+weights; :func:`decode` runs a prefill and decode steps with transformers' own ``DynamicCache``
+or ``StaticCache`` (:data:`CACHES`) and returns the logits of every step, the same way for eager
+and compiled models.
 
 Choices that apply to all of them (see :func:`tiny_config`):
 
 - ``attn_implementation="sdpa"`` (transformers' default where the model supports it): attention
   is one ``scaled_dot_product_attention`` call per layer, which :mod:`fxsplit.presets` puts in
   region ``attention``. GPT-OSS has no sdpa path (attention sinks) and its flex-attention path
-  refuses sinks on CPU, so it runs ``"eager"``; DeepSeek-V4 supports only ``"eager"``. Eager
-  attention is plain matmul + softmax, which no op preset can tell from other matmuls.
+  refuses sinks on CPU, so it runs ``"eager"``; so does Gemma2 (sdpa refuses its logit
+  soft-capping); DeepSeek-V4, Bloom and GraniteSWA support only ``"eager"``. Eager attention is
+  plain matmul + softmax, which no op preset can tell from other matmuls.
+- Sliding windows of 4 tokens, shorter than the prefill: every decode step runs the full-window
+  path (a window filling up mid-decode changes the branches Dynamo traced, and it recompiles).
 - ``experts_implementation="batched_mm"`` for MoE models: dense gather + bmm, traceable with no
   custom op and no host sync (the default ``"grouped_mm"`` is an opaque custom op on CPU, and
   ``"eager"`` loops over ``nonzero()``). LongcatFlash's experts ignore it and loop.
@@ -42,13 +46,16 @@ from fxsplit.models.hf_deepseek_v4 import tiny_config as _deepseek_v4_config
 
 __all__ = [
     "ARCHITECTURES",
+    "CACHES",
     "NOT_SHIPPED",
     "PREFILL_LEN",
     "Architecture",
     "available",
     "build",
+    "declare_static",
     "decode",
     "names",
+    "new_cache",
     "shipped",
     "token_ids",
 ]
@@ -66,6 +73,10 @@ _COMMON: dict[str, Any] = {
     "max_position_embeddings": 128,
     "attn_implementation": "sdpa",
 }
+# Shorter than the prefill: every decode step runs a sliding-window layer's full-window path (a
+# window filling up mid-decode would change the graph's branches, and Dynamo recompiles).
+_WINDOW = 4
+_TOKEN_IDS: dict[str, Any] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _MOE: dict[str, Any] = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
@@ -108,7 +119,7 @@ def _inkling_text() -> dict[str, Any]:
         "swa_num_attention_heads": 4,
         "swa_num_key_value_heads": 2,
         "swa_head_dim": 16,
-        "sliding_window_size": 8,
+        "sliding_window_size": _WINDOW,
         "rel_extent": 16,
         "d_rel": 4,
         "layer_types": ["hybrid_sliding", "hybrid"],
@@ -198,10 +209,107 @@ ARCHITECTURES: dict[str, Architecture] = {
                 **_COMMON,
                 **_MOE,
                 "num_local_experts": 4,
-                "sliding_window": 8,
+                "sliding_window": _WINDOW,
                 # YaRN's original context is 4096 tokens with factor 32: keep them consistent
                 "max_position_embeddings": 131072,
                 "attn_implementation": "eager",
+            },
+        ),
+        # Widely used architectures and the kinds of attention and cache they bring: sliding
+        # windows (Mistral, Gemma2/3, GraniteSWA), eager attention (Gemma2 with its logit
+        # soft-capping; Bloom with ALiBi and GraniteSWA: no sdpa path), learned positions
+        # (GPT2, OPT) and a recurrent block beside local attention (RecurrentGemma).
+        Architecture("Qwen2ForCausalLM", "Qwen2Config", lambda: dict(_COMMON)),
+        Architecture(
+            "MistralForCausalLM", "MistralConfig", lambda: {**_COMMON, "sliding_window": _WINDOW}
+        ),
+        Architecture(
+            "Gemma2ForCausalLM",
+            "Gemma2Config",
+            lambda: {
+                **_COMMON,
+                **_TOKEN_IDS,
+                "sliding_window": _WINDOW,
+                "query_pre_attn_scalar": 16,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "attn_implementation": "eager",
+            },
+        ),
+        Architecture(
+            "Gemma3ForCausalLM",
+            "Gemma3TextConfig",
+            lambda: {
+                **_COMMON,
+                **_TOKEN_IDS,
+                "sliding_window": _WINDOW,
+                "query_pre_attn_scalar": 16,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+        ),
+        Architecture("Phi3ForCausalLM", "Phi3Config", lambda: {**_COMMON, **_TOKEN_IDS}),
+        Architecture(
+            "GPT2LMHeadModel",
+            "GPT2Config",
+            lambda: {
+                "vocab_size": 128,
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "n_inner": 128,
+                "n_positions": 128,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "attn_implementation": "sdpa",
+            },
+        ),
+        Architecture(
+            "OPTForCausalLM",
+            "OPTConfig",
+            lambda: {
+                **_TOKEN_IDS,
+                "vocab_size": 128,
+                "hidden_size": 64,
+                "word_embed_proj_dim": 64,
+                "ffn_dim": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "max_position_embeddings": 128,
+                "attn_implementation": "sdpa",
+            },
+        ),
+        Architecture(
+            "BloomForCausalLM",
+            "BloomConfig",
+            lambda: {
+                **_TOKEN_IDS,
+                "vocab_size": 128,
+                "hidden_size": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "attn_implementation": "eager",
+            },
+        ),
+        Architecture(
+            "GraniteSWAForCausalLM",
+            "GraniteSWAConfig",
+            lambda: {
+                **_COMMON,
+                **_TOKEN_IDS,
+                "sliding_window": _WINDOW,
+                "layer_types": ["full_attention", "sliding_attention"],
+                "layer_rope_theta": [10000.0, 10000.0],
+                "attn_implementation": "eager",  # its only one
+            },
+        ),
+        Architecture(
+            "RecurrentGemmaForCausalLM",
+            "RecurrentGemmaConfig",
+            lambda: {
+                **_COMMON,
+                **_TOKEN_IDS,
+                "lru_width": 64,
+                "attention_window_size": _WINDOW,
+                "block_types": ["recurrent", "attention"],
             },
         ),
     )
@@ -290,7 +398,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
 
 def _vocab_size(model: nn.Module) -> int:
     config = model.config
-    return getattr(config, "text_config", config).vocab_size
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text.vocab_size
 
 
 def token_ids(model: nn.Module, steps: int, seed: int = 0) -> list[torch.Tensor]:
@@ -303,23 +412,58 @@ def token_ids(model: nn.Module, steps: int, seed: int = 0) -> list[torch.Tensor]
     return [prompt, *(torch.randint(0, vocab, (1, 1), generator=generator) for _ in range(steps))]
 
 
-def decode(model: Callable, config, ids: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Prefill ``ids[0]``, then one decode step per further entry, with one ``DynamicCache``.
+CACHES = ("dynamic", "static")
+
+
+def new_cache(config, kind: str, length: int):
+    """A fresh KV cache of transformers: ``"dynamic"`` (``DynamicCache``, grown by concatenation
+    every step) or ``"static"`` (``StaticCache`` of ``length`` tokens, written in place).
+
+    Raises:
+        ValueError: another ``kind``.
+    """
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=config)
+    if kind == "static":
+        return StaticCache(config=config, max_cache_len=length)
+    raise ValueError(f"unknown cache kind {kind!r}; expected one of {', '.join(CACHES)}")
+
+
+def declare_static(cache) -> None:
+    """Declare the tensors of a ``StaticCache`` persistent (``torch._dynamo.mark_static_address``),
+    as transformers does itself when the cache is first written outside ``torch.compile``; a
+    compiled prefill writes it first inside, where transformers skips that. Declared, the cache
+    is bound by address in captured graphs and never copied."""
+    for layer in getattr(cache, "layers", ()):
+        for name in ("keys", "values", "cumulative_length"):
+            value = getattr(layer, name, None)
+            if isinstance(value, torch.Tensor):
+                torch._dynamo.mark_static_address(value)
+
+
+def decode(
+    model: Callable, config, ids: list[torch.Tensor], cache: str = "dynamic"
+) -> list[torch.Tensor]:
+    """Prefill ``ids[0]``, then one decode step per further entry, with one KV cache.
 
     Args:
         model: the transformers model, eager or ``torch.compile``'d.
-        config: its config (``DynamicCache(config=...)`` sizes the cache's layers from it).
+        config: its config (the cache sizes its layers from it).
         ids: from :func:`token_ids`.
+        cache: ``"dynamic"`` or ``"static"`` (see :func:`new_cache`; a static cache is
+            declared persistent after the prefill, see :func:`declare_static`).
 
     Returns:
         each step's logits, cloned (a replayed graph overwrites its outputs on the next step).
     """
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
+    kv = new_cache(config, cache, sum(t.shape[-1] for t in ids))
     logits = []
     with torch.no_grad():
         for step in ids:
-            out = model(input_ids=step, cache=cache, use_cache=True)
+            out = model(input_ids=step, cache=kv, use_cache=True)
             logits.append(out.logits.clone())
+            if cache == "static" and len(logits) == 1:
+                declare_static(kv)
     return logits

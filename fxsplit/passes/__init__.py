@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from fxsplit.passes import aliasing, mark, materialise, normalise, op_facts, partition
+from fxsplit.passes import aliasing, mark, materialise, normalise, op_facts, partition, step_sizes
 from fxsplit.plan import Piece, SplitPlan
 
 __all__ = ["Split", "split"]
@@ -28,6 +28,7 @@ class Split:
     materialised: materialise.Materialised
     aliasing: list[aliasing.PieceAliasing | None]
     compiled_pieces: list | None = None  # fxsplit.passes.inductor.CompiledPiece records
+    steps: step_sizes.StepSizes | None = None
 
 
 def split(
@@ -38,6 +39,8 @@ def split(
     runner: str = "v1",
     grad_at_entry: bool = True,
     analyse: bool = False,
+    size_input: int | None = None,
+    model_values: bool = False,
 ) -> Split:
     """Split ``gm`` (modified in place by the normalise pass) under ``policy``.
 
@@ -50,13 +53,22 @@ def split(
         grad_at_entry: grad mode when the graph is called.
         analyse: run the aliasing analysis (:mod:`fxsplit.passes.aliasing`) on every captured
             piece (what capture needs; costs one functionalized fake run of those pieces).
+        size_input: index of the placeholder whose sizes are the token count (see
+            :func:`fxsplit.runtime.graph_runtime.size_input_index`); every other size that
+            changes per step runs eagerly (:mod:`fxsplit.passes.step_sizes`).
+        model_values: the graph's tensor arguments are the model's own values (a frame Dynamo
+            resumed after a graph break, or one called by eager model code): only the size
+            input's leading dim is the token count there.
 
     Returns:
         a :class:`Split` with the :class:`~fxsplit.plan.SplitPlan`.
     """
     start = time.perf_counter()
     normalise.normalise(gm.graph)
-    marks = mark.mark(gm.graph, policy)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    tokens = placeholders[size_input] if size_input is not None else None
+    steps = step_sizes.find(gm.graph, tokens, leading_only=model_values)
+    marks = mark.mark(gm.graph, policy, steps.reasons)
     parts = partition.partition(marks)
     done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host)
     facts = _aliasing(gm, parts, done) if analyse else [None] * len(parts)
@@ -86,7 +98,7 @@ def split(
         num_nodes=len(gm.graph.nodes),
         split_seconds=time.perf_counter() - start,
     )
-    return Split(plan, gm, marks, parts, done, facts)
+    return Split(plan, gm, marks, parts, done, facts, steps=steps)
 
 
 def _devices(nodes, inputs) -> tuple[str, ...]:

@@ -127,8 +127,11 @@ def _trivial_target(node: Node) -> bool:
 _SKIPPED = frozenset({"placeholder", "get_attr", "output"})
 
 
-def mark(graph: Graph, policy: Policy) -> Marks:
-    """Mark every node of ``graph`` (normalised, see :mod:`fxsplit.passes.normalise`)."""
+def mark(graph: Graph, policy: Policy, dynamic: dict[Node, tuple[str, ...]] | None = None) -> Marks:
+    """Mark every node of ``graph`` (normalised, see :mod:`fxsplit.passes.normalise`).
+
+    ``dynamic``: nodes that read or make a size changing every step, with their
+    ``dynamic:<what>`` reasons (:func:`fxsplit.passes.step_sizes.find`)."""
     marks = Marks()
     eager_regions = policy.eager_regions
     splitting_ops = policy.splitting_ops or None
@@ -194,6 +197,8 @@ def mark(graph: Graph, policy: Policy) -> Marks:
                     reasons += (f"region:{preset.region}", f"preset:{preset.name}")
         if governed and node in governed:
             reasons.append(f"state:{governed[node]}")
+        if dynamic and node in dynamic:
+            reasons += dynamic[node]
         key = (op, target)
         try:
             if getattr(target, "__module__", None) == "_operator":

@@ -28,6 +28,7 @@ from fxsplit import counters
 from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec
+from fxsplit.runtime.replay_watch import Watch
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import clone_sharing, storage_ptr
 from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
@@ -166,7 +167,7 @@ class CapturedPiece(torch.nn.Module):
         self._warned: set[str] = set()
         if self.failed is not None:
             log.info("fxsplit: %s runs uncaptured: %s", self.name, self.failed)
-        self.stats = PieceStats()
+        self.stats = PieceStats(Watch(self, key_reads))
         self.key = _key_function(key_reads)
 
     def __call__(self, *inputs):

@@ -11,20 +11,25 @@ class PieceStats:
     """Counters of one piece: ``per_key[key]`` holds captures, replays, uncaptured_runs,
     input_copies, input_copy_bytes (bytes); ``copies_by_input[name]`` counts copies per input.
     Keys are capture keys (tuples); None collects runs outside capture (a step that may not
-    capture). ``refusals[reason]`` counts calls that ran uncaptured for ``reason``."""
+    capture). ``refusals[reason]`` counts calls that ran uncaptured for ``reason``; ``watch``
+    (a :class:`fxsplit.runtime.replay_watch.Watch`) hears of every capture key met for the
+    first time."""
 
-    __slots__ = ("copies_by_input", "per_key", "refusals")
+    __slots__ = ("copies_by_input", "per_key", "refusals", "watch")
 
-    def __init__(self):
+    def __init__(self, watch=None):
         self.per_key: dict[object, Counter] = {}
         self.copies_by_input: Counter = Counter()
         self.refusals: Counter = Counter()
+        self.watch = watch
 
     def key(self, key: object) -> Counter:
         """The counters of ``key`` (created on first use)."""
         found = self.per_key.get(key)
         if found is None:
             found = self.per_key[key] = Counter()
+            if self.watch is not None and key is not None:
+                self.watch.new_key(self.per_key)
         return found
 
     @staticmethod

@@ -17,6 +17,7 @@ import re
 from html import escape
 from pathlib import Path
 
+from fxsplit.runtime.replay_watch import summary
 from fxsplit.tools.dump import KIND_COLOURS, RUNTIME_COUNTERS
 
 __all__ = ["render", "write_report"]
@@ -156,9 +157,11 @@ def _runtime(folder: Path, plan: dict) -> str:
     ]
     kinds = {p["name"]: p["kind"] for p in plan["pieces"]}
     head = "".join(f"<th>{escape(c)}</th>" for c in counters)
+    line = summary(plan["graph_id"], stats)
     rows = [
+        f'<p id="replays">{escape(line or "No captured piece ran.")}</p>',
         f"<table id=runtime><thead><tr><th>piece</th><th>kind</th><th>capture key</th>{head}"
-        "</tr></thead><tbody>"
+        "</tr></thead><tbody>",
     ]
     for piece in sorted(stats, key=_piece_order):
         kind = kinds.get(piece, "?")

@@ -1,0 +1,278 @@
+"""Step-sizes pass: find the work whose shapes, or the host values it reads, change every step.
+
+A captured piece replays only when its capture key repeats, and the key holds every symbolic
+size and host value the piece reads (:func:`fxsplit.runtime.binding.key_reads`). In a decode
+loop some of those change on every step: the KV length of a cache that grows by one token per
+step (transformers' ``DynamicCache`` concatenates keys and values), the masks and positions
+built over it, a host int counting the tokens cached so far (``cumulative_length_int`` of a
+sliding-window ``StaticCache``). A piece holding such work is captured once per step and never
+replayed. This pass finds it, from Dynamo's own facts, so the mark pass runs it eagerly with the
+attention it feeds, while the work with the token count's shape stays captured.
+
+The facts: every node's ``example_value`` carries its sizes as SymInts, and the graph's
+``ShapeEnv`` traces each symbol back to where Dynamo read it (``var_to_sources``, e.g.
+``L['kwargs']['cache'].layers[0].keys.size()[2]``). A symbol is a **step size** unless it is
+
+- a size of the size input (the token count, see
+  :func:`fxsplit.runtime.graph_runtime.size_input_index`): what engines pad to capture sizes;
+- or, in a graph traced with ``dynamic=True`` (Dynamo's ``assume_static_by_default`` is off
+  while it traces), a size or value of an argument the caller hands in
+  (``L['block_table'].size()[1]``):
+  ``dynamic=True`` makes every such size symbolic whether it changes or not, so only sizes and
+  values of the state the model carries (reached through an attribute, as a cache's tensors and
+  counters are) count there.
+
+Under the default ``torch.compile`` (automatic dynamic shapes), Dynamo makes a size symbolic
+only after it saw it change between two calls (or where the caller marked it dynamic), so every
+symbol other than the token count is a step size.
+
+A node is marked ``dynamic:<what>`` (``<what>`` in the model's terms, such as
+``cache.layers[0].keys.size(2)``) when its value or one of its inputs holds a step size. A host
+value nobody reads that depends on a step size (Dynamo keeps the ``x.numel()`` and ``sym_sum``
+results it traced but never used) is dropped: left in place it would sit alone between captured
+nodes and cut a captured piece in two. For the same reason, pure work built from host values
+and constants that only feeds such nodes (an ``arange`` the positions are added to) moves
+right before its first user and runs eagerly with it. Symbols of data-dependent sizes
+(unbacked, from ``nonzero`` and the like) have no source and are left alone: the op that makes
+them runs eagerly already. Float symbols are left alone too: Dynamo lifts float attributes (a norm's
+``eps``, a scale) as symbols without having seen them change.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, Node
+
+from fxsplit.passes import global_state
+from fxsplit.passes.ops import op_names
+
+__all__ = ["StepSizes", "describe", "find", "symbols"]
+
+_HOST = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+@dataclass
+class StepSizes:
+    """What :func:`find` found in one graph.
+
+    Attributes:
+        symbols: each step size's symbol -> its description in the model's terms
+            (:func:`describe` of its first source).
+        names: every symbol Dynamo traced to a source -> its description (step sizes, the
+            token count and the rest), for messages about capture keys.
+        tokens: the symbols of the token count (the size input's sizes).
+        reasons: nodes that read or make a step size -> their ``dynamic:<what>`` reasons, sorted.
+        dropped: names of the unused host-value nodes removed from the graph.
+    """
+
+    symbols: dict[object, str] = field(default_factory=dict)
+    names: dict[object, str] = field(default_factory=dict)
+    tokens: frozenset = frozenset()
+    reasons: dict[Node, tuple[str, ...]] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)
+
+
+def find(graph: Graph, size_input: Node | None, leading_only: bool = False) -> StepSizes:
+    """Find the step sizes of ``graph`` and the nodes that depend on them; drops unused host
+    values that depend on one (see the module docstring).
+
+    Args:
+        graph: a Dynamo graph (nodes carry ``example_value``); a graph without a ShapeEnv (plain
+            ``torch.fx``, or no symbolic size) has none.
+        size_input: the placeholder whose sizes are the token count, or None.
+        leading_only: only its leading dim is (the placeholder is a value the model computed,
+            such as hidden states handed to a frame resumed after a graph break, whose other
+            dims may be anything, a mask over the KV length among them).
+
+    Returns:
+        a :class:`StepSizes`, empty where the graph has no step size.
+    """
+    found = StepSizes()
+    shape_env = _shape_env(graph)
+    if shape_env is None:
+        return found
+    tokens = set()
+    value = size_input.meta.get("example_value") if size_input is not None else None
+    if isinstance(value, torch.Tensor):
+        tokens = symbols(value.shape[:1] if leading_only else value.shape)
+    found.tokens = frozenset(tokens)
+    # Dynamo's setting while it traces this graph: off under torch.compile(dynamic=True)
+    every_size = not torch._dynamo.config.assume_static_by_default
+    for symbol, sources in shape_env.var_to_sources.items():
+        if sources:
+            found.names[symbol] = describe(sources[0].name)
+        if not sources or symbol in tokens or not symbol.is_integer:
+            continue
+        if every_size and not any(_carried_state(s) for s in sources):
+            continue
+        found.symbols[symbol] = describe(sources[0].name)
+    if not found.symbols:
+        return found
+    step = found.symbols
+    made: dict[Node, set] = {}
+    cache: dict = {}
+    for node in graph.nodes:
+        mine = {s for s in symbols(node.meta.get("example_value"), cache) if s in step}
+        made[node] = mine
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        read = set(mine)
+        for arg in node.all_input_nodes:
+            read |= made.get(arg, set())
+        if not read:
+            continue
+        if not node.users and _unused_host_value(node):
+            found.dropped.append(node.name)
+            graph.erase_node(node)
+            continue
+        found.reasons[node] = tuple(sorted({f"dynamic:{step[s]}" for s in read}))
+    _gather(graph, found.reasons)
+    return found
+
+
+def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
+    """Move the pure work that only feeds nodes in ``reasons`` (``arange`` before
+    ``arange + past_length``, host arithmetic on a cache's counter) right before its first
+    user, into ``reasons`` with its users' reasons: left where Dynamo traced it, it would stand
+    alone between eager nodes as a captured piece of one or two ops. Only work built from host
+    values and constants moves (it reads no tensor a mutation could change on the way), and
+    never across a global-state switch (grad mode, autocast)."""
+    constant = {n for n in graph.nodes if _constant(n)}
+    built: set[Node] = set()
+    for node in graph.nodes:
+        if (
+            node.op in ("call_function", "call_method")
+            and all(a in built or a in constant for a in node.all_input_nodes)
+            and not node.is_impure()
+            and not global_state.is_state_node(node)
+            and (node in constant or not _writes(node))
+        ):
+            built.add(node)
+    for node in reversed(list(graph.nodes)):
+        if node not in built or not node.users or not all(u in reasons for u in node.users):
+            continue
+        first = _first_user(node)
+        if first is None:
+            continue
+        if first is not node.next:
+            first.prepend(node)
+        reasons[node] = tuple(
+            sorted({*reasons.get(node, ()), *(r for u in node.users for r in reasons[u])})
+        )
+
+
+def _writes(node: Node) -> bool:
+    """Whether the op may write an input, from its schemas: an in-place op (``add_``,
+    ``index_put_``, a setitem) has no overload that leaves its arguments alone, where a
+    functional one's only writing overloads are its ``out=`` variants. Unknown: it may."""
+    names = op_names(node)
+    if names is None:
+        return True
+    namespace, _, name = names[0].partition("::")
+    packet = getattr(getattr(torch.ops, namespace, None), name, None)
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return True
+    schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
+    return all(s.is_mutable for s in schemas if not any(a.is_out for a in s.arguments))
+
+
+def _constant(node: Node) -> bool:
+    """A host value (a SymInt placeholder, ``x.size(0)``) or a module constant."""
+    return node.op == "get_attr" or isinstance(
+        node.meta.get("example_value"), (*_HOST, int, float, bool)
+    )
+
+
+def _first_user(node: Node) -> Node | None:
+    """``node``'s first user in graph order, None where a global-state switch lies between."""
+    users = node.users
+    current = node.next
+    while current.op != "root":
+        if current in users:
+            return current
+        if global_state.is_state_node(current):
+            return None
+        current = current.next
+    return None
+
+
+def _unused_host_value(node: Node) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, (*_HOST, int, float, bool)) and not node.is_impure()
+
+
+def _shape_env(graph: Graph):
+    for node in graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            fake_mode = getattr(value, "fake_mode", None)
+            if fake_mode is not None and fake_mode.shape_env is not None:
+                return fake_mode.shape_env
+        elif isinstance(value, _HOST):
+            return value.node.shape_env
+    return None
+
+
+def symbols(value: object, cache: dict | None = None) -> set:
+    """The free symbols of a node's value (a tensor's sizes, strides and offset, a SymInt, or
+    tuples and lists of them), after the ShapeEnv's replacements; ``cache`` keeps each
+    expression's symbols across calls (sympy computes them anew every time)."""
+    found: set = set()
+    _collect(value, found, {} if cache is None else cache)
+    return found
+
+
+def _collect(value: object, found: set, cache: dict) -> None:
+    if isinstance(value, torch.Tensor):
+        strided = value.layout == torch.strided
+        parts = (*value.shape, *value.stride(), value.storage_offset()) if strided else value.shape
+        for size in parts:
+            if isinstance(size, torch.SymInt):
+                _expression(size, found, cache)
+    elif isinstance(value, _HOST):
+        _expression(value, found, cache)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect(item, found, cache)
+
+
+def _expression(value, found: set, cache: dict) -> None:
+    expr = value.node.expr
+    known = cache.get(expr)
+    if known is None:
+        known = cache[expr] = expr.free_symbols
+    found.update(known)
+
+
+def _carried_state(source) -> bool:
+    """Whether a source reaches its value through an attribute of an object (the state a model
+    or a cache carries, ``L['cache'].layers[0].keys``) rather than being an argument the caller
+    hands in, a size of one or of the tensor it views (``L['block_table'].size()[1]``,
+    ``L['kwargs']['mask']``, ``L['x']._base.size()[0]``)."""
+    from torch._dynamo.source import AttrSource
+
+    while source is not None:
+        # ``_base``: the tensor an argument is a view of (Dynamo traces views with their base)
+        if isinstance(source, AttrSource) and source.member != "_base":
+            return True
+        source = getattr(source, "base", None)
+    return False
+
+
+_NESTED = re.compile(r"^L\['(?:kwargs|args)'\]\['([A-Za-z_]\w*)'\]")
+_SIZE = re.compile(r"\.size\(\)\[(\d+)\]")
+_STRIDE = re.compile(r"\.stride\(\)\[(\d+)\]")
+
+
+def describe(source: str) -> str:
+    """Dynamo's source name in the model's terms: ``L['kwargs']['cache'].layers[0].keys.size()[2]``
+    -> ``cache.layers[0].keys.size(2)``, ``L['x']`` -> ``x``; other names are returned as they
+    are."""
+    text = _NESTED.sub(r"\1", source, count=1)
+    if text == source:
+        text = re.sub(r"^L\['([A-Za-z_]\w*)'\]", r"\1", source, count=1)
+    text = _SIZE.sub(r".size(\1)", text)
+    return _STRIDE.sub(r".stride(\1)", text)

@@ -1,0 +1,155 @@
+"""Replay watch: say when a graph's captured pieces never replay, and sum up what they did.
+
+A captured piece replays only when a capture key repeats (:mod:`fxsplit.runtime.binding`). When a
+size or host value in the key changes on every call, each call captures a new graph (or runs
+uncaptured once the key limit is reached): numbers stay right and nothing replays. The split runs
+the sizes it can tell change every step eagerly (:mod:`fxsplit.passes.step_sizes`); this module
+catches the rest at run time: a piece that met :data:`NEW_KEYS` capture keys without one replay
+warns once per graph, naming the piece, what changed every call (in the model's terms where
+Dynamo traced it to a source) and what to do.
+
+Fed by :class:`fxsplit.runtime.stats.PieceStats` when a piece first meets a capture key, so the
+replay path costs nothing. :func:`summary` renders one line per graph for the log
+(``TORCH_LOGS=fxsplit``) and the dump's report.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+
+import torch
+
+from fxsplit.passes.step_sizes import describe, symbols
+from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
+
+log = logging.getLogger("fxsplit")
+
+NEW_KEYS = 8
+"""Capture keys a piece meets without a replay before the watch warns."""
+
+_WARNED: weakref.WeakSet = weakref.WeakSet()  # graph runtimes that warned already
+
+
+class Watch:
+    """The replay watch of one captured piece.
+
+    Args:
+        piece: the :class:`~fxsplit.runtime.captured.CapturedPiece` (its ``name``, ``specs``
+            and ``runtime`` are read only when it warns).
+        reads: what its capture key reads, one ``(input index, dim or None)`` per key part
+            (:func:`fxsplit.runtime.binding.key_reads`).
+    """
+
+    __slots__ = ("piece", "reads")
+
+    def __init__(self, piece, reads) -> None:
+        self.piece = piece
+        self.reads = tuple(reads)
+
+    def new_key(self, per_key: Mapping) -> None:
+        """Called when the piece meets a capture key for the first time; ``per_key`` holds the
+        piece's counters per key (``None``: runs outside capture)."""
+        keys = [k for k in per_key if k is not None]
+        if len(keys) < NEW_KEYS:
+            return
+        runtime = self.piece.runtime
+        if runtime in _WARNED or any(c["replays"] for c in per_key.values()):
+            return
+        _WARNED.add(runtime)
+        message = self.message(keys[-NEW_KEYS:])
+        log.info("%s", message)
+        warn_at_caller(message, FxsplitRuntimeWarning)
+
+    def message(self, keys: list[tuple]) -> str:
+        """The warning for a piece whose last ``keys`` never repeated."""
+        piece = self.piece
+        runtime = piece.runtime
+        changed = [j for j in range(len(self.reads)) if len({k[j] for k in keys}) > 1]
+        parts, tokens = [], True
+        for j in changed:
+            what, token = self._label(*self.reads[j])
+            tokens &= token
+            values = ", ".join(_shown(k[j]) for k in keys[:3])
+            parts.append(f"{what} ({values}, ..., {_shown(keys[-1][j])})")
+        what = " and ".join(parts) if parts else "its capture key"
+        if parts and tokens:
+            advice = (
+                "pad the token count to a few sizes and pass them as capture_sizes, so each "
+                "size is captured once and replayed after"
+            )
+        else:
+            advice = (
+                "run the work that reads it eagerly (fxsplit.region, eager_modules, "
+                "splitting_ops), keep it fixed (persistent buffers of a fixed size, such as "
+                "transformers' StaticCache), or compile without dynamic=True so that fxsplit "
+                "sees it change and runs that work eagerly itself"
+            )
+        return (
+            f"fxsplit {runtime.graph_id}: {piece.name} met a new capture key on each of its last "
+            f"{len(keys)} calls and replayed none: {what} changed every call, so every call "
+            f"captures a graph or runs uncaptured. To replay, {advice}."
+        )
+
+    def _label(self, i: int, dim: int | None) -> tuple[str, bool]:
+        """(what key part ``(i, dim)`` reads, in the model's terms; whether it is the token
+        count)."""
+        piece = self.piece
+        spec = piece.specs[i]
+        split = piece.runtime.split
+        steps = split.steps
+        node = next((n for n in split.graph_module.graph.nodes if n.name == spec.name), None)
+        value = node.meta.get("example_value") if node is not None else None
+        if dim is not None and isinstance(value, torch.Tensor):
+            value = value.shape[dim] if dim >= 0 else value.shape
+        found = symbols(value) if steps is not None else set()
+        names = sorted({steps.names[s] for s in found if s in steps.names}) if found else []
+        if names:
+            token = all(s in steps.tokens for s in found)
+            prefix = "the token count " if token else ""
+            return prefix + " and ".join(names), token
+        where = describe(spec.source)
+        if dim is None:
+            return f"host value {where}", False
+        return f"{where}.size({dim})" if dim >= 0 else f"the shape of {where}", False
+
+
+def _shown(part: object) -> str:
+    """A key part as the user wrote it: host values are kept as ``(class, value)``."""
+    if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
+        return str(part[1])
+    return str(part)
+
+
+def summary(graph_id: str, stats: Mapping) -> str | None:
+    """One line summing up a graph's captured pieces: calls, captures, replays (share of calls)
+    and uncaptured runs; None when no captured piece ran.
+
+    Args:
+        graph_id: the graph's name, e.g. ``"graph_2"``.
+        stats: piece -> capture key -> counters (:meth:`fxsplit.Backend.stats` of one graph, or
+            a dump's ``runtime.json`` pieces).
+    """
+    totals = dict.fromkeys(("captures", "replays", "uncaptured_runs"), 0)
+    for keys in stats.values():
+        for counts in keys.values():
+            for name in totals:
+                totals[name] += counts.get(name, 0)
+    calls = sum(totals.values())
+    if not calls:
+        return None
+    share = 100 * totals["replays"] / calls
+    pieces = f"{len(stats)} captured piece{'' if len(stats) == 1 else 's'}"
+    return (
+        f"fxsplit {graph_id}: {pieces}, {calls} calls: "
+        f"{totals['replays']} replays ({share:.0f} %), {totals['captures']} captures, "
+        f"{totals['uncaptured_runs']} uncaptured runs"
+    )
+
+
+def log_summary(graph_id: str, stats: Mapping) -> None:
+    """Log :func:`summary` at INFO (``TORCH_LOGS=fxsplit``) where a captured piece ran."""
+    line = summary(graph_id, stats)
+    if line is not None:
+        log.info("%s", line)

@@ -1,0 +1,238 @@
+"""Sizes that change every step run eagerly (fxsplit.passes.step_sizes), the rest replays; the
+replay watch warns when a captured piece never replays (fxsplit.runtime.replay_watch)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit import counters
+from fxsplit.passes.step_sizes import describe, symbols
+from fxsplit.runtime import replay_watch
+
+# The toy models have no attention region: the runner's "no node is in any region" is expected.
+pytestmark = [
+    pytest.mark.usefixtures("fresh_capture_state"),
+    pytest.mark.filterwarnings("ignore:.*is in any region:fxsplit.FxsplitWarning"),
+]
+
+STEPS = 12
+REPLAYS_FROM = 4  # (1-based) the first decode graph is static, the next captures on its 2nd call
+
+
+class GrowingCache:
+    """Keys grown by concatenation every step, as transformers' ``DynamicCache`` does."""
+
+    def __init__(self, width: int = 8):
+        self.keys = torch.zeros(1, 2, width)
+
+
+class Decoder(nn.Module):
+    """A decode step: projections, a cache update and attention over the cache (matmul and
+    softmax, no attention op), an output projection."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x, cache):
+        q = self.q(x)
+        cache.keys = torch.cat([cache.keys, self.k(x)], dim=1)
+        cache.keys.numel()  # read and dropped: Dynamo keeps the unused host value
+        scores = (q @ cache.keys.transpose(1, 2)).softmax(-1)
+        return self.out(scores @ cache.keys).relu()
+
+
+def _decode(model, steps=STEPS, seed=0):
+    torch.manual_seed(seed)
+    cache = GrowingCache()
+    xs = [torch.randn(1, 1, 8) for _ in range(steps)]
+    outs, calls = [], []
+    with torch.no_grad():
+        for x in xs:
+            before = counters.snapshot()
+            outs.append(model(x, cache).clone())
+            after = counters.snapshot()
+            calls.append({k: after[k] - before[k] for k in ("captures", "replays")})
+            calls[-1]["calls"] = sum(
+                after[k] - before[k] for k in ("captures", "replays", "uncaptured_runs")
+            )
+    return outs, calls
+
+
+def _dynamic_plan(backend):
+    return next(p for p in backend.plans if any(r.startswith("dynamic:") for r in _reasons(p)))
+
+
+def _reasons(plan):
+    return {r for piece in plan.eager for r in piece.reasons}
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_growing_cache_runs_eagerly_and_the_rest_replays_every_step(runner):
+    torch.manual_seed(0)
+    model = Decoder().eval()
+    want, _ = _decode(model)
+    backend = fxsplit.Backend(runner=runner, capture="emulate", input_binding="copy")
+    got, calls = _decode(torch.compile(model, backend=backend))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    late = calls[REPLAYS_FROM:]
+    assert sum(c["calls"] for c in late) > 0
+    assert all(c["replays"] == c["calls"] for c in late), calls
+    plan = _dynamic_plan(backend)
+    assert _reasons(plan) == {"dynamic:cache.keys.size(1)"}
+    assert [p.kind for p in plan.pieces] == ["captured", "eager", "captured"], plan.format()
+    # the cache is an input of the eager piece only: never copied into fxsplit's buffers
+    for runtime in backend.runtimes:
+        if runtime.split.plan is not plan:
+            continue
+        for piece in runtime.pieces:
+            assert not any("cache" in s.source for s in piece.specs), piece.name
+
+
+def test_an_unused_host_value_of_a_step_size_is_dropped_not_left_between_pieces():
+    backend = fxsplit.Backend(capture="off")
+    _decode(torch.compile(Decoder().eval(), backend=backend), steps=3)
+    split = next(s for s in backend.compiled if s.steps.symbols)
+    assert split.steps.dropped  # the numel() the model read and threw away
+    assert not any(n.name in split.steps.dropped for n in split.graph_module.graph.nodes)
+
+
+def test_every_captured_key_reads_only_the_token_count():
+    """The property behind the rule: in a graph with step sizes, no captured piece's capture key
+    reads one (else it would meet a new key every step)."""
+    backend = fxsplit.Backend(capture="emulate")
+    _decode(torch.compile(Decoder().eval(), backend=backend), steps=4)
+    checked = 0
+    for runtime in backend.runtimes:
+        steps = runtime.split.steps
+        nodes = {n.name: n for n in runtime.split.graph_module.graph.nodes}
+        for piece in runtime.pieces:
+            for spec in piece.specs:
+                found = symbols(nodes[spec.name].meta.get("example_value"))
+                assert not found & set(steps.symbols), (piece.name, spec.name)
+                checked += 1
+    assert checked
+
+
+def test_host_int_growing_every_step_runs_eagerly():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, n):
+            return self.lin(self.lin(x) * n).relu()
+
+    model = Scale().eval()
+    backend = fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 8)
+    replays = 0
+    with torch.no_grad():
+        for n in range(1, 10):
+            before = counters.snapshot()["replays"]
+            assert torch.equal(compiled(x, n), model(x, n))
+            replays = counters.snapshot()["replays"] - before
+    assert replays == 2  # the projections before and after; the multiply by n is eager
+    assert _reasons(backend.plans[-1]) == {"dynamic:n"}
+
+
+class Table(nn.Module):
+    """Reads a runner argument whose width is symbolic under dynamic=True but never changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, table):
+        return self.lin(x) + table.float().sum(-1, keepdim=True)
+
+
+def test_dynamic_true_keeps_argument_sizes_captured_but_not_a_caches():
+    backend = fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(Table(), backend=backend, dynamic=True)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(torch.randn(3, 8), torch.ones(3, 5, dtype=torch.int32))
+    assert [p.kind for p in backend.plans[0].pieces] == ["captured"]
+    assert counters.snapshot()["replays"] == 1
+    torch._dynamo.reset()
+    backend = fxsplit.Backend(capture="off")
+    _decode(torch.compile(Decoder().eval(), backend=backend, dynamic=True), steps=2)
+    assert "dynamic:cache.keys.size(1)" in _reasons(backend.plans[-1])
+
+
+def test_token_count_stays_captured_and_keys_on_it():
+    model = Decoder().eval()
+    backend = fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(model.out, backend=backend)
+    with torch.no_grad():
+        for tokens in (3, 4, 3, 4, 3, 4, 3):
+            x = torch.randn(tokens, 8)
+            assert torch.equal(compiled(x), model.out(x))
+    assert all(p.kind == "captured" for p in backend.plans[-1].pieces)
+    assert counters.snapshot()["replays"] == 2  # 4 and 3 warm up, capture, then replay
+
+
+def test_describe_speaks_the_models_terms():
+    assert describe("L['kwargs']['cache'].layers[0].keys.size()[2]") == (
+        "cache.layers[0].keys.size(2)"
+    )
+    assert describe("L['x'].stride()[1]") == "x.stride(1)"
+    assert describe("L['n']") == "n"
+    assert describe("G['step']") == "G['step']"
+
+
+class Grow(nn.Module):
+    def forward(self, x, n):
+        return (x * n).relu() + 1
+
+
+def test_watch_warns_once_naming_the_piece_and_what_changed(caplog):
+    backend = fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(Grow(), backend=backend, dynamic=True)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        for n in range(2, 2 + 2 * replay_watch.NEW_KEYS):
+            compiled(x, n)
+    mine = [str(w.message) for w in seen if "new capture key" in str(w.message)]
+    assert len(mine) == 1, mine
+    assert "graph_0: piece_0 met a new capture key on each of its last 8 calls" in mine[0]
+    assert "n (2, 3, 4, ..., 9) changed every call" in mine[0]
+    assert "compile without dynamic=True" in mine[0]
+    with caplog.at_level(logging.INFO, logger="fxsplit"):
+        backend.reset()
+    assert "fxsplit graph_0: 1 captured piece, 16 calls: 0 replays (0 %)" in caplog.text
+
+
+def test_watch_names_the_token_count_and_capture_sizes():
+    backend = fxsplit.Backend(capture="emulate")
+    lin = nn.Linear(8, 8)
+    compiled = torch.compile(lin, backend=backend, dynamic=True)
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        for tokens in range(2, 2 + replay_watch.NEW_KEYS):
+            compiled(torch.randn(tokens, 8))
+    mine = [str(w.message) for w in seen if "new capture key" in str(w.message)]
+    assert len(mine) == 1 and "the token count args[0].size(0)" in mine[0], mine
+    assert "capture_sizes" in mine[0]
+
+
+def test_watch_stays_silent_where_pieces_replay():
+    backend = fxsplit.Backend(capture="emulate")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _decode(torch.compile(Decoder().eval(), backend=backend))
+    assert replay_watch.summary("g", {"p": {"k": {"replays": 3, "captures": 1}}}) == (
+        "fxsplit g: 1 captured piece, 4 calls: 3 replays (75 %), 1 captures, 0 uncaptured runs"
+    )
+    assert replay_watch.summary("g", {}) is None
