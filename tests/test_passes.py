@@ -306,6 +306,23 @@ def test_kernels_are_not_views(op):
     assert not op_facts.is_view(make_node(op, "call_method"))
 
 
+@pytest.mark.parametrize(
+    ("target", "op", "writes"),
+    [
+        ("add_", "call_method", True),
+        ("index_put_", "call_method", True),
+        (operator.setitem, "call_function", True),
+        (torch.ops.aten.add.out, "call_function", True),
+        ("add", "call_method", False),
+        (torch.arange, "call_function", False),
+        (torch.ops.aten.zeros.default, "call_function", False),
+        (operator.getitem, "call_function", True),  # no op the dispatcher knows: it may
+    ],
+)
+def test_writes_come_from_the_schemas_out_forms_aside(target, op, writes):
+    assert op_facts.may_write(make_node(target, op)) is writes
+
+
 def test_allocations_are_the_empty_family_and_fills_are_kernels():
     for op in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"):
         assert op_facts.is_allocation(make_node(getattr(torch.ops.aten, op))), op

@@ -52,6 +52,7 @@ __all__ = [
     "is_allocation",
     "is_random",
     "is_view",
+    "may_write",
     "sync_entry_points",
     "unsafe",
 ]
@@ -300,16 +301,20 @@ class _Facts:
         allocation: every overload that makes tensors is in :data:`ALLOCATIONS`.
         view: every overload that makes tensors returns views of its arguments.
         random: an overload is tagged ``nondeterministic_seeded``.
+        writes: the op may write an argument: an in-place op (``add_``, ``index_put_``) has no
+            overload that leaves its arguments alone, where a functional one's only writing
+            overloads are its ``out=`` forms; unknown ops may.
     """
 
     refuses_capture: bool
     allocation: bool
     view: bool
     random: bool
+    writes: bool
 
 
 _BY_NAMES: dict[tuple[str, str | None], _Facts] = {}
-_NO_OP = _Facts(False, False, False, False)
+_NO_OP = _Facts(False, False, False, False, False)
 
 
 def _facts(node: Node) -> _Facts:
@@ -329,6 +334,12 @@ def _facts(node: Node) -> _Facts:
         allocation=bool(fresh) and all(op in ALLOCATIONS for op in fresh),
         view=bool(fresh) and all(_returns_views(op) for op in fresh),
         random=any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads),
+        writes=not overloads
+        or all(
+            op._schema.is_mutable
+            for op in overloads
+            if not any(a.is_out for a in op._schema.arguments)
+        ),
     )
     return found
 
@@ -405,6 +416,12 @@ def is_view(node: Node) -> bool:
             except (RuntimeError, NotImplementedError):
                 continue
     return False
+
+
+def may_write(node: Node) -> bool:
+    """Whether the op ``node`` calls may write one of its arguments (from its schemas; a node
+    that calls no op the dispatcher knows may)."""
+    return op_names(node) is None or _facts(node).writes
 
 
 def is_random(node: Node) -> bool:

@@ -46,8 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from fxsplit.passes import global_state
-from fxsplit.passes.ops import op_names
+from fxsplit.passes import global_state, op_facts
 
 __all__ = ["StepSizes", "describe", "find", "symbols"]
 
@@ -148,7 +147,7 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
             and all(a in built or a in constant for a in node.all_input_nodes)
             and not node.is_impure()
             and not global_state.is_state_node(node)
-            and (node in constant or not _writes(node))
+            and (node in constant or not op_facts.may_write(node))
         ):
             built.add(node)
     for node in reversed(list(graph.nodes)):
@@ -162,21 +161,6 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
         reasons[node] = tuple(
             sorted({*reasons.get(node, ()), *(r for u in node.users for r in reasons[u])})
         )
-
-
-def _writes(node: Node) -> bool:
-    """Whether the op may write an input, from its schemas: an in-place op (``add_``,
-    ``index_put_``, a setitem) has no overload that leaves its arguments alone, where a
-    functional one's only writing overloads are its ``out=`` variants. Unknown: it may."""
-    names = op_names(node)
-    if names is None:
-        return True
-    namespace, _, name = names[0].partition("::")
-    packet = getattr(getattr(torch.ops, namespace, None), name, None)
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return True
-    schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
-    return all(s.is_mutable for s in schemas if not any(a.is_out for a in s.arguments))
 
 
 def _constant(node: Node) -> bool:
