@@ -328,6 +328,44 @@ def test_buffer_rebound_in_forward_is_copied_not_recaptured(caplog):
     assert counters.totals["recaptures"] <= 1
 
 
+class _Block(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return torch.ops.fxsplit_own.fresh(self.lin(x)) * 2
+
+
+def test_two_instances_sharing_dynamos_graph_copy_their_weights_and_say_how_to_stop_it():
+    """Dynamo compiles one graph for every instance of a class (weights are graph inputs): one
+    Backend for two instances gives the right numbers, copying the weights each call, and
+    says so once; a Backend each compiles a graph each, binds the weights by address and
+    copies nothing."""
+    first, second = _Block(0).eval(), _Block(1).eval()
+
+    def run(backends) -> set[str]:
+        """The inputs copied into static buffers (weights show as ``l_self_...``)."""
+        a, b = (torch.compile(m, backend=be) for m, be in zip((first, second), backends))
+        with torch.no_grad():
+            for step in range(6):
+                x = _data(3, D, seed=step)
+                assert torch.equal(a(x), first(x)) and torch.equal(b(x), second(x)), step
+        assert _replays() > 0
+        pieces = [p for be in set(backends) for rt in be.runtimes for p in rt.pieces]
+        return {n for p in pieces for n, copies in p.stats.copies_by_input.items() if copies}
+
+    shared = fxsplit.Backend(capture="emulate", splitting_ops=FRESH)
+    with pytest.warns(fxsplit.FxsplitWarning, match="compile each with its own fxsplit.Backend"):
+        copied = run([shared, shared])
+    assert any("lin_parameters_weight" in name for name in copied), copied
+    torch._dynamo.reset()
+    own = [fxsplit.Backend(capture="emulate", splitting_ops=FRESH) for _ in range(2)]
+    copied = run(own)
+    assert not any("lin_parameters" in name for name in copied), copied
+
+
 def test_capture_sizes_read_the_first_forward_argument_not_the_first_used():
     def f(tokens, block_table):
         n = block_table.shape[0]
