@@ -347,7 +347,8 @@ def test_two_instances_sharing_dynamos_graph_copy_their_weights_and_say_how_to_s
 
     def run(backends) -> set[str]:
         """The inputs copied into static buffers (weights show as ``l_self_...``)."""
-        a, b = (torch.compile(m, backend=be) for m, be in zip((first, second), backends))
+        models = (first, second)
+        a, b = (torch.compile(m, backend=be) for m, be in zip(models, backends, strict=True))
         with torch.no_grad():
             for step in range(6):
                 x = _data(3, D, seed=step)
