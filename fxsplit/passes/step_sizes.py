@@ -65,6 +65,8 @@ class StepSizes:
         tokens: the symbols of the token count (the size input's sizes).
         reasons: nodes that read or make a step size -> their ``dynamic:<what>`` reasons, sorted.
         dropped: names of the unused host-value nodes removed from the graph.
+        every_size: the graph was traced under ``torch.compile(dynamic=True)``, where only
+            the carried state's sizes count.
     """
 
     symbols: dict[object, str] = field(default_factory=dict)
@@ -72,6 +74,7 @@ class StepSizes:
     tokens: frozenset = frozenset()
     reasons: dict[Node, tuple[str, ...]] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
+    every_size: bool = False
 
 
 def find(graph: Graph, size_input: Node | None, leading_only: bool = False) -> StepSizes:
@@ -99,7 +102,7 @@ def find(graph: Graph, size_input: Node | None, leading_only: bool = False) -> S
         tokens = symbols(value.shape[:1] if leading_only else value.shape)
     found.tokens = frozenset(tokens)
     # Dynamo's setting while it traces this graph: off under torch.compile(dynamic=True)
-    every_size = not torch._dynamo.config.assume_static_by_default
+    every_size = found.every_size = not torch._dynamo.config.assume_static_by_default
     for symbol, sources in shape_env.var_to_sources.items():
         if sources:
             found.names[symbol] = describe(sources[0].name)

@@ -74,23 +74,38 @@ class Watch:
             values = ", ".join(_shown(k[j]) for k in keys[:3])
             parts.append(f"{what} ({values}, ..., {_shown(keys[-1][j])})")
         what = " and ".join(parts) if parts else "its capture key"
-        if parts and tokens:
-            advice = (
-                "pad the token count to a few sizes and pass them as capture_sizes, so each "
-                "size is captured once and replayed after"
-            )
-        else:
-            advice = (
-                "run the work that reads it eagerly (fxsplit.region, eager_modules, "
-                "splitting_ops), keep it fixed (persistent buffers of a fixed size, such as "
-                "transformers' StaticCache), or compile without dynamic=True so that fxsplit "
-                "sees it change and runs that work eagerly itself"
-            )
         return (
             f"fxsplit {runtime.graph_id}: {piece.name} met a new capture key on each of its last "
             f"{len(keys)} calls and replayed none: {what} changed every call, so every call "
-            f"captures a graph or runs uncaptured. To replay, {advice}."
+            f"captures a graph or runs uncaptured. To replay, "
+            f"{self._advice(keys[-1], changed, bool(parts) and tokens)}."
         )
+
+    def _advice(self, key: tuple, changed: list[int], tokens: bool) -> str:
+        """What to do about the parts ``changed`` of capture keys like ``key`` (``tokens``:
+        they are all the token count)."""
+        if tokens:
+            return (
+                "pad the token count to a few sizes and pass them as capture_sizes, so each "
+                "size is captured once and replayed after"
+            )
+        if any(_host_float(key[j]) for j in changed):
+            return (
+                "pass the float as a 0-dim tensor: a captured graph bakes a host float into its "
+                "kernels, so each value needs a capture of its own"
+            )
+        advice = (
+            "run the work that reads it eagerly (fxsplit.region, eager_modules, "
+            "splitting_ops) or keep it fixed (persistent buffers of a fixed size, such as "
+            "transformers' StaticCache)"
+        )
+        steps = self.piece.runtime.split.steps
+        if steps is not None and steps.every_size:
+            advice += (
+                ", or compile without dynamic=True so that fxsplit sees it change and runs "
+                "that work eagerly itself"
+            )
+        return advice
 
     def _label(self, i: int, dim: int | None) -> tuple[str, bool]:
         """(what key part ``(i, dim)`` reads, in the model's terms; whether it is the token
@@ -115,8 +130,15 @@ class Watch:
         return f"{where}.size({dim})" if dim >= 0 else f"the shape of {where}", False
 
 
+def _host_float(part: object) -> bool:
+    """Whether a capture key part is a host float (kept as ``(float, value)``)."""
+    return isinstance(part, tuple) and len(part) == 2 and part[0] is float
+
+
 def _shown(part: object) -> str:
     """A key part as the user wrote it: host values are kept as ``(class, value)``."""
+    if _host_float(part):
+        return f"{part[1]:.6g}"
     if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
         return str(part[1])
     return str(part)
