@@ -148,6 +148,17 @@ def test_demo_model_runs_both_runners_default_first_and_cuts_no_word(monkeypatch
     assert "decode 2" in text and "all comparisons passed" in text
 
 
+def test_demo_model_decodes_until_every_captured_piece_replays_under_v2():
+    """transformers' loop hands a fresh input_ids every step: the demo binds by copy, so v2
+    replays instead of raising BindingError, and it decodes long enough to show replays."""
+    run = demo._model_run("LlamaForCausalLM", "v2", "eager")
+    labels = [label for label, _, _ in run.rows]
+    assert labels[0] == "prefill" and labels[-1] == f"decode {demo.DECODE_STEPS}"
+    assert all(diff == 0 for _, diff, _ in run.rows)
+    last = run.rows[-1][2]
+    assert last["replays"] > 0 and last["captures"] == last["uncaptured_runs"] == 0
+
+
 def test_tp_table_at_80_columns_cuts_no_word():
     from fxsplit.tools import tp_demo
 

@@ -44,6 +44,9 @@ STEPS = (4, 4, 3, 4, 5, 3, 2, 4, 6, 4)
 PREFILL_LENGTHS = (5, 8, 13)
 METADATA = ("positions", "slot_mapping", "block_table", "seq_lens")
 DEEPSEEK = "DeepseekV4ForCausalLM"
+# --model: captured pieces replay from the 4th decode step (the first decode graph is static,
+# the next warms up, then captures)
+DECODE_STEPS = 6
 
 LEGEND = (
     ("graph_<n>", "the n-th graph Dynamo compiled; in brackets: the step it was for"),
@@ -307,10 +310,13 @@ def _model_run(architecture: str, runner: str, compile_pieces: str) -> _ModelRun
 
     mode, device = _capture_mode()
     model = hf_architectures.build(architecture).to(device)
-    ids = [t.to(device) for t in hf_architectures.token_ids(model, 2)]
+    ids = [t.to(device) for t in hf_architectures.token_ids(model, DECODE_STEPS)]
     want = hf_architectures.decode(model, model.config, ids)
     torch._dynamo.reset()
-    backend = fxsplit.Backend(runner=runner, capture=mode, compile_pieces=compile_pieces)
+    # transformers' loop hands a fresh input_ids tensor every step: copied, under v2 too
+    backend = fxsplit.Backend(
+        runner=runner, capture=mode, compile_pieces=compile_pieces, input_binding="copy"
+    )
     compiled = torch.compile(model, backend=backend)
     cache = DynamicCache(config=model.config)
     run = _ModelRun([], {}, [])

@@ -493,18 +493,19 @@ def write_runtime_stats(folder: str | os.PathLike, stats: Mapping) -> None:
 def plan_table(plan: SplitPlan, title: str | None = None):
     """The plan as a ``rich.table.Table``: piece, kind, ops, regions, reasons (rows by kind).
 
-    Regions and reasons go one per line, so the table is as wide as its longest name and no
-    name is cut where the terminal is narrow (80 columns fit every plan of the demo)."""
+    Regions and reasons go one per line, so the table is as wide as its longest name; a name
+    longer than the terminal leaves room for (``dynamic:cache.layers[0].values.size(2)`` at 80
+    columns) folds onto the next line rather than being cut."""
     from rich.table import Table
 
     title = title or graph_title(plan)
     # as wide as its title (up to the terminal's width), so the title wraps only where it must
-    table = Table(title=title, title_justify="left", min_width=len(title))
+    table = Table(title=title, title_justify="left", min_width=len(title), pad_edge=False)
     table.add_column("piece")
     table.add_column("kind")
     table.add_column("ops", justify="right")
     table.add_column("regions")
-    table.add_column("reasons")
+    table.add_column("reasons", overflow="fold")
     for row in plan.rows(sep="\n"):
         table.add_row(*row, style="dark_orange" if row[1] == "eager" else None)
     return table
