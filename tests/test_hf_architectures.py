@@ -65,8 +65,8 @@ SHORT_OF_TARGET = {
     **dict.fromkeys(
         [("RecurrentGemmaForCausalLM", cache) for cache in CACHES],
         "it assigns new recurrent-state buffers in forward every step, which the runtime "
-        "recognises on their second move and recaptures once more (decode steps 3 and 4): "
-        "replays start at the 6th step",
+        "recognises on their second move and recaptures once more (decode step 4): replays "
+        "start at the 5th step",
     ),
 }
 EAGER_ATTENTION = frozenset(
