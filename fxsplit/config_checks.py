@@ -100,7 +100,8 @@ class ConfigChecks:
                     "fxsplit: no node of the graphs compiled so far is in any region, so "
                     f"{self._no_region} runs nothing eagerly and any attention is captured; "
                     "mark it with fxsplit.region(...), module_regions={'<AttentionClass>': "
-                    "'attention'} or splitting_ops=['ns::op']",
+                    "'attention'} or splitting_ops=['ns::op'] (eager_regions=[] says a model "
+                    "has no regions on purpose)",
                 )
             )
         return due

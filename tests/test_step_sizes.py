@@ -233,6 +233,6 @@ def test_watch_stays_silent_where_pieces_replay():
         warnings.simplefilter("error")
         _decode(torch.compile(Decoder().eval(), backend=backend))
     assert replay_watch.summary("g", {"p": {"k": {"replays": 3, "captures": 1}}}) == (
-        "fxsplit g: 1 captured piece, 4 calls: 3 replays (75 %), 1 captures, 0 uncaptured runs"
+        "fxsplit g: 1 captured piece, 4 calls: 3 replays (75 %), 1 capture, 0 uncaptured runs"
     )
     assert replay_watch.summary("g", {}) is None

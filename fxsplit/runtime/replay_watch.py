@@ -162,12 +162,16 @@ def summary(graph_id: str, stats: Mapping) -> str | None:
     if not calls:
         return None
     share = 100 * totals["replays"] / calls
-    pieces = f"{len(stats)} captured piece{'' if len(stats) == 1 else 's'}"
     return (
-        f"fxsplit {graph_id}: {pieces}, {calls} calls: "
-        f"{totals['replays']} replays ({share:.0f} %), {totals['captures']} captures, "
-        f"{totals['uncaptured_runs']} uncaptured runs"
+        f"fxsplit {graph_id}: {_count(len(stats), 'captured piece')}, {_count(calls, 'call')}: "
+        f"{_count(totals['replays'], 'replay')} ({share:.0f} %), "
+        f"{_count(totals['captures'], 'capture')}, "
+        f"{_count(totals['uncaptured_runs'], 'uncaptured run')}"
     )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def log_summary(graph_id: str, stats: Mapping) -> None:
