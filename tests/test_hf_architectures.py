@@ -392,7 +392,7 @@ piece_24  captured   18  -                         -
 piece_25  eager      21  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[2].keys.size(2)
 piece_26  captured  170  -                         -
 
-graph_4 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 19 pieces, 10 captured, 9 eager
+graph_4 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 17 pieces, 9 captured, 8 eager
 piece     kind      ops  regions                   reasons
 piece_0   captured    1  -                         -
 piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
@@ -402,19 +402,17 @@ piece_4   captured   14  -                         -
 piece_5   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
 piece_6   captured  113  -                         -
 piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_8   captured    0  -                         -
-piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_10  captured  272  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_12  captured    3  -                         -
-piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_14  captured  253  -                         -
-piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_16  captured    4  -                         -
-piece_17  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
-piece_18  captured  170  -                         -
+piece_8   captured  272  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_10  captured    3  -                         -
+piece_11  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_12  captured  253  -                         -
+piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_14  captured    4  -                         -
+piece_15  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_16  captured  170  -                         -
 
-graph_5 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 23 pieces, 12 captured, 11 eager
+graph_5 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 21 pieces, 11 captured, 10 eager
 piece     kind      ops  regions                   reasons
 piece_0   captured    1  -                         -
 piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
@@ -424,23 +422,21 @@ piece_4   captured   14  -                         -
 piece_5   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
 piece_6   captured  113  -                         -
 piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_8   captured    0  -                         -
-piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_10  captured  272  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_12  captured    3  -                         -
-piece_13  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_14  captured   25  -                         -
-piece_15  eager      15  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
-piece_16  captured   16  -                         -
-piece_17  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_18  captured  253  -                         -
-piece_19  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_20  captured    6  -                         -
-piece_21  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
-piece_22  captured  170  -                         -
+piece_8   captured  272  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_10  captured    3  -                         -
+piece_11  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_12  captured   25  -                         -
+piece_13  eager      15  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_14  captured   16  -                         -
+piece_15  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_16  captured  253  -                         -
+piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_18  captured    6  -                         -
+piece_19  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_20  captured  170  -                         -
 
-graph_6 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 19 pieces, 10 captured, 9 eager
+graph_6 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 17 pieces, 9 captured, 8 eager
 piece     kind      ops  regions                   reasons
 piece_0   captured    1  -                         -
 piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
@@ -450,19 +446,17 @@ piece_4   captured   14  -                         -
 piece_5   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
 piece_6   captured  113  -                         -
 piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_8   captured    0  -                         -
-piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_10  captured  272  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_12  captured    3  -                         -
-piece_13  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_14  captured  253  -                         -
-piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_16  captured    2  -                         -
-piece_17  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
-piece_18  captured  170  -                         -
+piece_8   captured  272  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_10  captured    3  -                         -
+piece_11  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_12  captured  253  -                         -
+piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_14  captured    2  -                         -
+piece_15  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_16  captured  170  -                         -
 
-graph_7 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 23 pieces, 12 captured, 11 eager
+graph_7 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 21 pieces, 11 captured, 10 eager
 piece     kind      ops  regions                   reasons
 piece_0   captured    1  -                         -
 piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
@@ -472,21 +466,19 @@ piece_4   captured   14  -                         -
 piece_5   eager      18  attn_prep                 preset:rotary_embedding,region:attn_prep
 piece_6   captured  113  -                         -
 piece_7   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_8   captured    0  -                         -
-piece_9   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_10  captured  272  -                         -
-piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_12  captured    3  -                         -
-piece_13  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_14  captured   25  -                         -
-piece_15  eager      15  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
-piece_16  captured   16  -                         -
-piece_17  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
-piece_18  captured  253  -                         -
-piece_19  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_20  captured    2  -                         -
-piece_21  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
-piece_22  captured  170  -                         -""",
+piece_8   captured  272  -                         -
+piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_10  captured    3  -                         -
+piece_11  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_12  captured   25  -                         -
+piece_13  eager      15  attn_prep                 dynamic:cache.layers[1].entry_count['compressor'],preset:rotary_embedding,region:attn_prep
+piece_14  captured   16  -                         -
+piece_15  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:rotary_embedding,preset:sparse_indexer,region:attn_prep,region:sparse_indexer
+piece_16  captured  253  -                         -
+piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_18  captured    2  -                         -
+piece_19  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_20  captured  170  -                         -""",
         )
 
     def test_deepseek_v4_v2(self):
@@ -553,7 +545,7 @@ piece_20  captured   30  attn_prep                 -
 piece_21  eager      21  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[2].keys.size(2)
 piece_22  captured  170  -                         -
 
-graph_4 runner=v2 eager_regions=attention,sparse_indexer: 17 pieces, 9 captured, 8 eager
+graph_4 runner=v2 eager_regions=attention,sparse_indexer: 15 pieces, 8 captured, 7 eager
 piece     kind      ops  regions                   reasons
 piece_0   captured    1  -                         -
 piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
@@ -561,19 +553,17 @@ piece_2   captured    3  -                         -
 piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
 piece_4   captured  145  attn_prep                 -
 piece_5   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_6   captured    0  -                         -
-piece_7   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_8   captured  272  -                         -
-piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_10  captured    3  -                         -
-piece_11  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
-piece_12  captured  253  -                         -
-piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_14  captured    4  -                         -
-piece_15  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
-piece_16  captured  170  -                         -
+piece_6   captured  272  -                         -
+piece_7   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_8   captured    3  -                         -
+piece_9   eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
+piece_10  captured  253  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_12  captured    4  -                         -
+piece_13  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_14  captured  170  -                         -
 
-graph_5 runner=v2 eager_regions=attention,sparse_indexer: 21 pieces, 11 captured, 10 eager
+graph_5 runner=v2 eager_regions=attention,sparse_indexer: 19 pieces, 10 captured, 9 eager
 piece     kind      ops  regions                   reasons
 piece_0   captured    1  -                         -
 piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
@@ -581,23 +571,21 @@ piece_2   captured    3  -                         -
 piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
 piece_4   captured  145  attn_prep                 -
 piece_5   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_6   captured    0  -                         -
-piece_7   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_8   captured  272  -                         -
-piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_10  captured    3  -                         -
-piece_11  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_12  captured   25  -                         -
-piece_13  eager       4  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_14  captured   27  attn_prep                 -
-piece_15  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
-piece_16  captured  253  -                         -
-piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_18  captured    6  -                         -
-piece_19  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
-piece_20  captured  170  -                         -
+piece_6   captured  272  -                         -
+piece_7   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_8   captured    3  -                         -
+piece_9   eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_10  captured   25  -                         -
+piece_11  eager       4  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_12  captured   27  attn_prep                 -
+piece_13  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
+piece_14  captured  253  -                         -
+piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_16  captured    6  -                         -
+piece_17  eager      21  -                         dynamic:cache.layers[2].keys.size(2)
+piece_18  captured  170  -                         -
 
-graph_6 runner=v2 eager_regions=attention,sparse_indexer: 17 pieces, 9 captured, 8 eager
+graph_6 runner=v2 eager_regions=attention,sparse_indexer: 15 pieces, 8 captured, 7 eager
 piece     kind      ops  regions                   reasons
 piece_0   captured    1  -                         -
 piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
@@ -605,19 +593,17 @@ piece_2   captured    3  -                         -
 piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
 piece_4   captured  145  attn_prep                 -
 piece_5   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_6   captured    0  -                         -
-piece_7   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_8   captured  272  -                         -
-piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_10  captured    3  -                         -
-piece_11  eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
-piece_12  captured  253  -                         -
-piece_13  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_14  captured    2  -                         -
-piece_15  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
-piece_16  captured  170  -                         -
+piece_6   captured  272  -                         -
+piece_7   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_8   captured    3  -                         -
+piece_9   eager      85  attn_prep,sparse_indexer  dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),preset:sparse_indexer,region:sparse_indexer
+piece_10  captured  253  -                         -
+piece_11  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_12  captured    2  -                         -
+piece_13  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_14  captured  170  -                         -
 
-graph_7 runner=v2 eager_regions=attention,sparse_indexer: 21 pieces, 11 captured, 10 eager
+graph_7 runner=v2 eager_regions=attention,sparse_indexer: 19 pieces, 10 captured, 9 eager
 piece     kind      ops  regions                   reasons
 piece_0   captured    1  -                         -
 piece_1   eager       2  -                         dynamic:cache.layers[0].cumulative_length
@@ -625,21 +611,19 @@ piece_2   captured    3  -                         -
 piece_3   eager       7  -                         dynamic:cache.layers[0].cumulative_length
 piece_4   captured  145  attn_prep                 -
 piece_5   eager       3  -                         dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.size(2)
-piece_6   captured    0  -                         -
-piece_7   eager       0  -                         dynamic:cache.layers[0].values.size(2)
-piece_8   captured  272  -                         -
-piece_9   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
-piece_10  captured    3  -                         -
-piece_11  eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
-piece_12  captured   25  -                         -
-piece_13  eager       4  -                         dynamic:cache.layers[1].entry_count['compressor']
-piece_14  captured   27  attn_prep                 -
-piece_15  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
-piece_16  captured  253  -                         -
-piece_17  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
-piece_18  captured    2  -                         -
-piece_19  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
-piece_20  captured  170  -                         -""",
+piece_6   captured  272  -                         -
+piece_7   eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[1].cumulative_length
+piece_8   captured    3  -                         -
+piece_9   eager       1  -                         dynamic:cache.layers[1].buffer_gate['compressor'].stride(0)
+piece_10  captured   25  -                         -
+piece_11  eager       4  -                         dynamic:cache.layers[1].entry_count['compressor']
+piece_12  captured   27  attn_prep                 -
+piece_13  eager     148  attn_prep,sparse_indexer  dynamic:cache.layers[1].buffer_gate['indexer'].stride(0),dynamic:cache.layers[1].compressed_kv['compressor'].size(1),dynamic:cache.layers[1].compressed_kv['indexer'].size(1),dynamic:cache.layers[1].entry_count['compressor'],dynamic:cache.layers[1].entry_count['indexer'],preset:sparse_indexer,region:sparse_indexer
+piece_14  captured  253  -                         -
+piece_15  eager       2  -                         dynamic:cache.layers[0].keys.storage_offset(),dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[2].cumulative_length,dynamic:cache.layers[2].keys.size(2)
+piece_16  captured    2  -                         -
+piece_17  eager      28  -                         dynamic:cache.layers[2].buffer_gate['compressor'].size(1),dynamic:cache.layers[2].buffer_kv['compressor'].size(1),dynamic:cache.layers[2].keys.size(2)
+piece_18  captured  170  -                         -""",
         )
 
     def test_granite_moe_v1(self):
@@ -738,23 +722,21 @@ piece_10  captured  122  -          -
 piece_11  eager       1  attention  preset:sdpa,region:attention
 piece_12  captured  107  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 15 pieces, 8 captured, 7 eager
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions    reasons
 piece_0   captured    9  -          -
 piece_1   eager       2  -          dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -          -
 piece_3   eager       7  -          dynamic:cache.layers[0].cumulative_length
 piece_4   captured   67  -          -
-piece_5   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_6   captured    0  -          -
-piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   17  -          -
-piece_9   eager       1  attention  preset:sdpa,region:attention
-piece_10  captured  104  -          -
-piece_11  eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
-piece_12  captured    3  -          -
-piece_13  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_14  captured  107  -          -""",
+piece_5   eager       7  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_6   captured   17  -          -
+piece_7   eager       1  attention  preset:sdpa,region:attention
+piece_8   captured  104  -          -
+piece_9   eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_10  captured    3  -          -
+piece_11  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_12  captured  107  -          -""",
         )
 
     def test_inkling_v2(self):
@@ -785,23 +767,21 @@ piece_10  captured  122  -          -
 piece_11  eager       1  attention  preset:sdpa,region:attention
 piece_12  captured  107  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 15 pieces, 8 captured, 7 eager
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions    reasons
 piece_0   captured    9  -          -
 piece_1   eager       2  -          dynamic:cache.layers[0].cumulative_length
 piece_2   captured    3  -          -
 piece_3   eager       7  -          dynamic:cache.layers[0].cumulative_length
 piece_4   captured   67  -          -
-piece_5   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_6   captured    0  -          -
-piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   17  -          -
-piece_9   eager       1  attention  preset:sdpa,region:attention
-piece_10  captured  104  -          -
-piece_11  eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
-piece_12  captured    3  -          -
-piece_13  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_14  captured  107  -          -""",
+piece_5   eager       7  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_6   captured   17  -          -
+piece_7   eager       1  attention  preset:sdpa,region:attention
+piece_8   captured  104  -          -
+piece_9   eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_10  captured    3  -          -
+piece_11  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_12  captured  107  -          -""",
         )
 
     def test_inkling_cond_gen_v1(self):
@@ -832,23 +812,21 @@ piece_10  captured  122  -          -
 piece_11  eager       1  attention  preset:sdpa,region:attention
 piece_12  captured  107  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 15 pieces, 8 captured, 7 eager
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions    reasons
 piece_0   captured   11  -          -
 piece_1   eager       7  -          dynamic:cache.layers[0].cumulative_length
 piece_2   captured    9  -          -
 piece_3   eager       2  -          dynamic:cache.layers[0].cumulative_length
 piece_4   captured   59  -          -
-piece_5   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_6   captured    0  -          -
-piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   17  -          -
-piece_9   eager       1  attention  preset:sdpa,region:attention
-piece_10  captured  104  -          -
-piece_11  eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
-piece_12  captured    3  -          -
-piece_13  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_14  captured  107  -          -""",
+piece_5   eager       7  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_6   captured   17  -          -
+piece_7   eager       1  attention  preset:sdpa,region:attention
+piece_8   captured  104  -          -
+piece_9   eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_10  captured    3  -          -
+piece_11  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_12  captured  107  -          -""",
         )
 
     def test_inkling_cond_gen_v2(self):
@@ -879,23 +857,21 @@ piece_10  captured  122  -          -
 piece_11  eager       1  attention  preset:sdpa,region:attention
 piece_12  captured  107  -          -
 
-graph_2 runner=v2 eager_regions=attention,sparse_indexer: 15 pieces, 8 captured, 7 eager
+graph_2 runner=v2 eager_regions=attention,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions    reasons
 piece_0   captured   11  -          -
 piece_1   eager       7  -          dynamic:cache.layers[0].cumulative_length
 piece_2   captured    9  -          -
 piece_3   eager       2  -          dynamic:cache.layers[0].cumulative_length
 piece_4   captured   59  -          -
-piece_5   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_6   captured    0  -          -
-piece_7   eager       4  -          dynamic:cache.layers[0].cumulative_length
-piece_8   captured   17  -          -
-piece_9   eager       1  attention  preset:sdpa,region:attention
-piece_10  captured  104  -          -
-piece_11  eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
-piece_12  captured    3  -          -
-piece_13  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
-piece_14  captured  107  -          -""",
+piece_5   eager       7  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
+piece_6   captured   17  -          -
+piece_7   eager       1  attention  preset:sdpa,region:attention
+piece_8   captured  104  -          -
+piece_9   eager       2  -          dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2)
+piece_10  captured    3  -          -
+piece_11  eager      15  attention  dynamic:cache.layers[1].keys.size(2),dynamic:cache.layers[1].values.size(2),preset:sdpa,region:attention
+piece_12  captured  107  -          -""",
         )
 
     def test_longcat_flash_v1(self):
