@@ -236,3 +236,43 @@ def test_watch_stays_silent_where_pieces_replay():
         "fxsplit g: 1 captured piece, 4 calls: 3 replays (75 %), 1 captures, 0 uncaptured runs"
     )
     assert replay_watch.summary("g", {}) is None
+
+
+class Sampled(nn.Module):
+    """Draws a mask over the grown cache, then more random numbers before using it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache, draw):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        mask = draw(cache.keys.shape[1])
+        noise = torch.rand_like(x)
+        return (cache.keys * mask[None, :, None]).sum(1) + self.lin(noise)
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda n: torch.full((n,), 0.5).bernoulli(),
+        lambda n: torch.nn.functional.dropout(torch.ones(n), 0.5),
+    ],
+    ids=["bernoulli", "dropout"],
+)
+def test_random_work_over_a_step_size_keeps_its_place_in_the_random_stream(draw):
+    """Work that feeds only step-size nodes moves next to them; a random op moved past another
+    draws the other's numbers."""
+    model = Sampled().eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache, draw).clone() for _ in range(6)]
+
+    want = run(model)
+    backend = fxsplit.Backend(capture="emulate")
+    got = run(torch.compile(model, backend=backend))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert counters.snapshot()["replays"] > 0

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from fxsplit.passes import global_state
+from fxsplit.passes import global_state, op_facts
 from fxsplit.passes.ops import op_names
 
 __all__ = ["StepSizes", "describe", "find", "symbols"]
@@ -138,8 +138,9 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     ``arange + past_length``, host arithmetic on a cache's counter) right before its first
     user, into ``reasons`` with its users' reasons: left where Dynamo traced it, it would stand
     alone between eager nodes as a captured piece of one or two ops. Only work built from host
-    values and constants moves (it reads no tensor a mutation could change on the way), and
-    never across a global-state switch (grad mode, autocast)."""
+    values and constants moves (it reads no tensor a mutation could change on the way), never
+    a random op (moved past another, it would draw that one's numbers), and never across a
+    global-state switch (grad mode, autocast)."""
     constant = {n for n in graph.nodes if _constant(n)}
     built: set[Node] = set()
     for node in graph.nodes:
@@ -147,6 +148,7 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
             node.op in ("call_function", "call_method")
             and all(a in built or a in constant for a in node.all_input_nodes)
             and not node.is_impure()
+            and not op_facts.is_random(node)
             and not global_state.is_state_node(node)
             and (node in constant or not _writes(node))
         ):
