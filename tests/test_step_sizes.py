@@ -276,3 +276,48 @@ def test_random_work_over_a_step_size_keeps_its_place_in_the_random_stream(draw)
     got = run(torch.compile(model, backend=backend))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert counters.snapshot()["replays"] > 0
+
+
+CAPTURE_SIZES = [2 * k for k in range(1, replay_watch.NEW_KEYS + 3)]  # more than NEW_KEYS
+
+
+def test_watch_stays_silent_over_sizes_captured_up_front():
+    """``Backend.capture`` meets one new key per size by design, each replayed later."""
+    model = nn.Linear(8, 8)
+    backend = fxsplit.Backend(capture="emulate", capture_sizes=CAPTURE_SIZES, eager_regions=[])
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backend.capture(compiled, {s: (torch.randn(s, 8),) for s in CAPTURE_SIZES})
+        with torch.no_grad():
+            for size in CAPTURE_SIZES:
+                x = torch.randn(size, 8)
+                assert torch.equal(compiled(x), model(x))
+    assert counters.snapshot()["replays"] == len(CAPTURE_SIZES)
+
+
+def test_watch_stays_silent_over_a_warm_up_of_the_capture_sizes():
+    """An engine warming every capture size in turn: the token count is bounded by the sizes."""
+    model = nn.Linear(8, 8)
+    backend = fxsplit.Backend(capture="emulate", capture_sizes=CAPTURE_SIZES, eager_regions=[])
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            for size in CAPTURE_SIZES:
+                compiled(torch.randn(size, 8))
+
+
+def test_watch_still_warns_after_sizes_captured_up_front():
+    """Keys met up front do not count; keys met later that never repeat do."""
+    backend = fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(Grow(), backend=backend, dynamic=True)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        backend.capture(compiled, {n: (x, n) for n in range(100, 100 + replay_watch.NEW_KEYS)})
+        assert not [w for w in seen if "new capture key" in str(w.message)]
+        for n in range(2, 2 + replay_watch.NEW_KEYS):
+            compiled(x, n)
+    mine = [str(w.message) for w in seen if "new capture key" in str(w.message)]
+    assert len(mine) == 1 and "n (2, 3, 4, ..., 9) changed every call" in mine[0], mine
