@@ -321,3 +321,34 @@ def test_watch_still_warns_after_sizes_captured_up_front():
             compiled(x, n)
     mine = [str(w.message) for w in seen if "new capture key" in str(w.message)]
     assert len(mine) == 1 and "n (2, 3, 4, ..., 9) changed every call" in mine[0], mine
+
+
+class Rewritten(nn.Module):
+    """Positions over the grown cache, read before an in-place write to them and used after."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        positions = torch.arange(cache.keys.shape[1], dtype=torch.float32)
+        doubled = positions * 2
+        positions[1:].add_(1)  # through a view
+        return self.lin((cache.keys * (positions + doubled)[None, :, None]).sum(1))
+
+
+def test_work_feeding_step_size_nodes_never_moves_past_a_write_to_what_it_reads():
+    model = Rewritten().eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    backend = fxsplit.Backend(capture="emulate")
+    got = run(torch.compile(model, backend=backend))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert counters.snapshot()["replays"] > 0

@@ -44,7 +44,9 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Graph, Node
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxsplit.passes import global_state, op_facts
 from fxsplit.passes.ops import op_names
@@ -138,9 +140,10 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     ``arange + past_length``, host arithmetic on a cache's counter) right before its first
     user, into ``reasons`` with its users' reasons: left where Dynamo traced it, it would stand
     alone between eager nodes as a captured piece of one or two ops. Only work built from host
-    values and constants moves (it reads no tensor a mutation could change on the way), never
-    a random op (moved past another, it would draw that one's numbers), and never across a
-    global-state switch (grad mode, autocast)."""
+    values and constants moves, never a random op (moved past another, it would draw that
+    one's numbers), never past a write to a tensor such work made (``positions[1:].add_(1)``
+    between ``doubled = positions * 2`` and its user), and never across a global-state switch
+    (grad mode, autocast)."""
     constant = {n for n in graph.nodes if _constant(n)}
     built: set[Node] = set()
     for node in graph.nodes:
@@ -156,7 +159,7 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     for node in reversed(list(graph.nodes)):
         if node not in built or not node.users or not all(u in reasons for u in node.users):
             continue
-        first = _first_user(node)
+        first = _first_user(node, built)
         if first is None:
             continue
         if first is not node.next:
@@ -176,9 +179,37 @@ def _writes(node: Node) -> bool:
     namespace, _, name = names[0].partition("::")
     packet = getattr(getattr(torch.ops, namespace, None), name, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return True
+        return _method_writes(node)
     schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
     return all(s.is_mutable for s in schemas if not any(a.is_out for a in s.arguments))
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _method_writes(node: Node) -> bool:
+    """Whether a Tensor method with no aten op of its name (``x.float()``, ``x.long()``) may
+    write: the aten ops it dispatches to on an empty meta tensor of the node's dtype, from
+    their schemas. Unknown (other arguments are values, the call fails): it may."""
+    if node.op != "call_method" or len(node.args) != 1 or node.kwargs:
+        return True
+    value = node.args[0].meta.get("example_value") if isinstance(node.args[0], Node) else None
+    if not isinstance(value, torch.Tensor):
+        return True
+    mode = _Ops()
+    try:
+        with unset_fake_temporarily(), mode:
+            getattr(torch.empty(0, dtype=value.dtype, device="meta"), node.target)()
+    except Exception:  # any failure leaves the answer unknown
+        return True
+    return any(op._schema.is_mutable for op in mode.ops)
 
 
 def _constant(node: Node) -> bool:
@@ -188,17 +219,30 @@ def _constant(node: Node) -> bool:
     )
 
 
-def _first_user(node: Node) -> Node | None:
-    """``node``'s first user in graph order, None where a global-state switch lies between."""
+def _first_user(node: Node, built: set[Node]) -> Node | None:
+    """``node``'s first user in graph order; None where a global-state switch, or an op that
+    may write a tensor of ``built`` (or a module constant), lies between."""
     users = node.users
     current = node.next
     while current.op != "root":
         if current in users:
             return current
-        if global_state.is_state_node(current):
+        if global_state.is_state_node(current) or _writes_built(current, built):
             return None
         current = current.next
     return None
+
+
+def _writes_built(node: Node, built: set[Node]) -> bool:
+    """Whether ``node`` may write one of its inputs that is in ``built`` or a module constant
+    (a view of one is in ``built`` too: views are pure work)."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if not any(
+        a.op == "get_attr" or (a in built and not _constant(a)) for a in node.all_input_nodes
+    ):
+        return False  # only tensors are written: host arithmetic on built values writes none
+    return node.op == "call_module" or node.is_impure() or _writes(node)
 
 
 def _unused_host_value(node: Node) -> bool:
