@@ -169,17 +169,19 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
         )
 
 
-def _writes(node: Node) -> bool:
+def _writes(node: Node, dispatch: bool = False) -> bool:
     """Whether the op may write an input, from its schemas: an in-place op (``add_``,
     ``index_put_``, a setitem) has no overload that leaves its arguments alone, where a
-    functional one's only writing overloads are its ``out=`` variants. Unknown: it may."""
+    functional one's only writing overloads are its ``out=`` variants. Unknown: it may; with
+    ``dispatch``, a Tensor method with no aten op of its name is asked
+    (:func:`_method_writes`)."""
     names = op_names(node)
     if names is None:
         return True
     namespace, _, name = names[0].partition("::")
     packet = getattr(getattr(torch.ops, namespace, None), name, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return _method_writes(node)
+        return _method_writes(node) if dispatch else True
     schemas = [getattr(packet, overload)._schema for overload in packet.overloads()]
     return all(s.is_mutable for s in schemas if not any(a.is_out for a in s.arguments))
 
@@ -242,7 +244,7 @@ def _writes_built(node: Node, built: set[Node]) -> bool:
         a.op == "get_attr" or (a in built and not _constant(a)) for a in node.all_input_nodes
     ):
         return False  # only tensors are written: host arithmetic on built values writes none
-    return node.op == "call_module" or node.is_impure() or _writes(node)
+    return node.op == "call_module" or node.is_impure() or _writes(node, dispatch=True)
 
 
 def _unused_host_value(node: Node) -> bool:
