@@ -250,11 +250,16 @@ class Backend:
             for arg in inputs_by_size[size]:
                 if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == size:
                     torch._dynamo.maybe_mark_dynamic(arg, 0)
-        with self._session(), torch.no_grad():
+        session = self._session
+        with session(), torch.no_grad():
             progress = sizes if tqdm is None else tqdm(sizes, desc="fxsplit capture", unit="size")
-            for size in progress:
-                for _ in range(runs):
-                    model(*inputs_by_size[size])
+            session.up_front = True
+            try:
+                for size in progress:
+                    for _ in range(runs):
+                        model(*inputs_by_size[size])
+            finally:
+                session.up_front = False
 
     def write_runtime_stats(self) -> None:
         """Write the run-time figures of every dumped graph into its dump folder (also done at

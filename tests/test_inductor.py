@@ -357,7 +357,7 @@ def test_a_float_argument_keeps_its_pieces_compiled_across_values(cache_root, mo
     x = torch.randn(4, 8)
     # a host float is a capture key part: every value a capture of its own, which the replay
     # watch says, with the fix
-    advice = "scale .*changed every call.* pass the float as a 0-dim tensor"
+    advice = "scale .*changed every time.* pass the float as a 0-dim tensor"
     with torch.no_grad(), pytest.warns(fxsplit.FxsplitRuntimeWarning, match=advice):
         for i in range(20):
             scale = 0.5 + 0.1 * i

@@ -40,7 +40,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxsplit.passes.ops import dispatched_op_name, op_name, op_names
 
@@ -418,10 +420,47 @@ def is_view(node: Node) -> bool:
     return False
 
 
-def may_write(node: Node) -> bool:
-    """Whether the op ``node`` calls may write one of its arguments (from its schemas; a node
-    that calls no op the dispatcher knows may)."""
-    return op_names(node) is None or _facts(node).writes
+def may_write(node: Node, dispatch: bool = False) -> bool:
+    """Whether the op ``node`` calls may write one of its arguments, from its schemas. A node
+    that calls no op the dispatcher knows may; with ``dispatch``, a Tensor method with no aten
+    op of its name (``x.float()``, ``x.long()``) is asked which ops it runs
+    (:func:`_method_writes`)."""
+    names = op_names(node)
+    if names is None:
+        return True
+    if dispatch and not _overloads(names):
+        return _method_writes(node)
+    return _facts(node).writes
+
+
+class _Ops(TorchDispatchMode):
+    """Records the aten ops dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _method_writes(node: Node) -> bool:
+    """Whether a Tensor method without arguments may write: the aten ops it dispatches to on an
+    empty meta tensor of the node's dtype, from their schemas. Unknown (it takes arguments, the
+    call fails): it may."""
+    if node.op != "call_method" or len(node.args) != 1 or node.kwargs:
+        return True
+    value = node.args[0].meta.get("example_value") if isinstance(node.args[0], Node) else None
+    if not isinstance(value, torch.Tensor):
+        return True
+    mode = _Ops()
+    try:
+        with unset_fake_temporarily(), mode:
+            getattr(torch.empty(0, dtype=value.dtype, device="meta"), node.target)()
+    except Exception:  # any failure leaves the answer unknown
+        return True
+    return any(op._schema.is_mutable for op in mode.ops)
 
 
 def is_random(node: Node) -> bool:

@@ -140,8 +140,10 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     ``arange + past_length``, host arithmetic on a cache's counter) right before its first
     user, into ``reasons`` with its users' reasons: left where Dynamo traced it, it would stand
     alone between eager nodes as a captured piece of one or two ops. Only work built from host
-    values and constants moves (it reads no tensor a mutation could change on the way), and
-    never across a global-state switch (grad mode, autocast)."""
+    values and constants moves, never a random op (moved past another, it would draw that
+    one's numbers), never past a write to a tensor such work made (``positions[1:].add_(1)``
+    between ``doubled = positions * 2`` and its user), and never across a global-state switch
+    (grad mode, autocast)."""
     constant = {n for n in graph.nodes if _constant(n)}
     built: set[Node] = set()
     for node in graph.nodes:
@@ -149,6 +151,7 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
             node.op in ("call_function", "call_method")
             and all(a in built or a in constant for a in node.all_input_nodes)
             and not node.is_impure()
+            and not op_facts.is_random(node)
             and not global_state.is_state_node(node)
             and (node in constant or not op_facts.may_write(node))
         ):
@@ -156,7 +159,7 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     for node in reversed(list(graph.nodes)):
         if node not in built or not node.users or not all(u in reasons for u in node.users):
             continue
-        first = _first_user(node)
+        first = _first_user(node, built)
         if first is None:
             continue
         if first is not node.next:
@@ -173,17 +176,30 @@ def _constant(node: Node) -> bool:
     )
 
 
-def _first_user(node: Node) -> Node | None:
-    """``node``'s first user in graph order, None where a global-state switch lies between."""
+def _first_user(node: Node, built: set[Node]) -> Node | None:
+    """``node``'s first user in graph order; None where a global-state switch, or an op that
+    may write a tensor of ``built`` (or a module constant), lies between."""
     users = node.users
     current = node.next
     while current.op != "root":
         if current in users:
             return current
-        if global_state.is_state_node(current):
+        if global_state.is_state_node(current) or _writes_built(current, built):
             return None
         current = current.next
     return None
+
+
+def _writes_built(node: Node, built: set[Node]) -> bool:
+    """Whether ``node`` may write one of its inputs that is in ``built`` or a module constant
+    (a view of one is in ``built`` too: views are pure work)."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return False
+    if not any(
+        a.op == "get_attr" or (a in built and not _constant(a)) for a in node.all_input_nodes
+    ):
+        return False  # only tensors are written: host arithmetic on built values writes none
+    return node.op == "call_module" or node.is_impure() or op_facts.may_write(node, dispatch=True)
 
 
 def _unused_host_value(node: Node) -> bool:

@@ -57,6 +57,7 @@ class CaptureSession:
     def __init__(self):
         self.depth = 0
         self.frozen = False
+        self.up_front = False  # Backend.capture is capturing sizes up front
         self.step = 0
         self.pools: dict[tuple[str, torch.device], MemoryPool] = {}
         self._called: set[int] = set()  # graphs called in this step

@@ -42,43 +42,62 @@ class Watch:
             (:func:`fxsplit.runtime.binding.key_reads`).
     """
 
-    __slots__ = ("piece", "reads")
+    __slots__ = ("piece", "reads", "up_front")
 
     def __init__(self, piece, reads) -> None:
         self.piece = piece
         self.reads = tuple(reads)
+        self.up_front: set = set()  # keys met under Backend.capture: captured to be replayed
 
-    def new_key(self, per_key: Mapping) -> None:
-        """Called when the piece meets a capture key for the first time; ``per_key`` holds the
-        piece's counters per key (``None``: runs outside capture)."""
-        keys = [k for k in per_key if k is not None]
+    def new_key(self, key: tuple, per_key: Mapping) -> None:
+        """Called when the piece meets capture key ``key`` for the first time; ``per_key`` holds
+        the piece's counters per key (``None``: runs outside capture). Keys met while
+        ``Backend.capture`` captures sizes up front do not count, nor, under ``capture_sizes``,
+        keys that differ only in the token count (a warm-up of each size: bounded by the
+        sizes, each replayed later)."""
+        runtime = self.piece.runtime
+        if runtime.session.up_front:
+            self.up_front.add(key)
+            return
+        keys = [k for k in per_key if k is not None and k not in self.up_front]
         if len(keys) < NEW_KEYS:
             return
-        runtime = self.piece.runtime
         if runtime in _WARNED or any(c["replays"] for c in per_key.values()):
             return
+        keys = keys[-NEW_KEYS:]
+        changes = self._changes(keys)
+        if runtime.capture_sizes is not None and changes and all(t for _, _, t in changes):
+            return
         _WARNED.add(runtime)
-        message = self.message(keys[-NEW_KEYS:])
+        message = self.message(keys, changes)
         log.info("%s", message)
         warn_at_caller(message, FxsplitRuntimeWarning)
 
-    def message(self, keys: list[tuple]) -> str:
-        """The warning for a piece whose last ``keys`` never repeated."""
+    def _changes(self, keys: list[tuple]) -> list[tuple[int, str, bool]]:
+        """``(key part, what it reads, whether that is the token count)`` for each part that
+        differs between ``keys``."""
+        return [
+            (j, *self._label(*self.reads[j]))
+            for j in range(len(self.reads))
+            if len({k[j] for k in keys}) > 1
+        ]
+
+    def message(self, keys: list[tuple], changes: list[tuple[int, str, bool]]) -> str:
+        """The warning for a piece whose last ``keys`` never repeated; ``changes`` from
+        :meth:`_changes`."""
         piece = self.piece
         runtime = piece.runtime
-        changed = [j for j in range(len(self.reads)) if len({k[j] for k in keys}) > 1]
-        parts, tokens = [], True
-        for j in changed:
-            what, token = self._label(*self.reads[j])
-            tokens &= token
+        parts = []
+        for j, what, _ in changes:
             values = ", ".join(_shown(k[j]) for k in keys[:3])
             parts.append(f"{what} ({values}, ..., {_shown(keys[-1][j])})")
+        tokens = all(t for _, _, t in changes)
         what = " and ".join(parts) if parts else "its capture key"
         return (
-            f"fxsplit {runtime.graph_id}: {piece.name} met a new capture key on each of its last "
-            f"{len(keys)} calls and replayed none: {what} changed every call, so every call "
-            f"captures a graph or runs uncaptured. To replay, "
-            f"{self._advice(keys[-1], changed, bool(parts) and tokens)}."
+            f"fxsplit {runtime.graph_id}: {piece.name} met {len(keys)} new capture keys in a row "
+            f"and replayed none: {what} changed every time, so every call captures a graph or "
+            f"runs uncaptured. To replay, "
+            f"{self._advice(keys[-1], [j for j, _, _ in changes], bool(parts) and tokens)}."
         )
 
     def _advice(self, key: tuple, changed: list[int], tokens: bool) -> str:

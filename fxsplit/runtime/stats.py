@@ -29,7 +29,7 @@ class PieceStats:
         if found is None:
             found = self.per_key[key] = Counter()
             if self.watch is not None and key is not None:
-                self.watch.new_key(self.per_key)
+                self.watch.new_key(key, self.per_key)
         return found
 
     @staticmethod
