@@ -187,8 +187,20 @@ def _garbled_header(data: bytes) -> bytes:
     return data.replace(b'"key"', b'"\xff\xfe', 1)
 
 
-@pytest.mark.parametrize("fault", [_foreign, _truncated, _corrupt, _garbled_header, "swapped"])
-def test_a_bad_entry_is_recompiled_with_one_warning_naming_it(filled, tmp_path, fault):
+@pytest.mark.parametrize(
+    ("fault", "problem"),
+    [
+        (_foreign, "is not an fxsplit cache entry"),
+        (_truncated, "is truncated"),
+        (_corrupt, "is corrupt (its digest does not match)"),
+        (_garbled_header, "has an unreadable header"),
+        ("swapped", "holds the entry of another key"),
+    ],
+    ids=["foreign", "truncated", "corrupt", "garbled_header", "swapped"],
+)
+def test_a_bad_entry_is_recompiled_with_one_warning_naming_it(filled, tmp_path, fault, problem):
+    """Each check of an entry against the key it is loaded for refuses it before Inductor
+    reads it (a payload Inductor happens to load could compute other numbers)."""
     root = _copy(filled, tmp_path)
     entries = _entries(root)
     contents = [entry.read_bytes() for entry in entries]
@@ -201,6 +213,7 @@ def test_a_bad_entry_is_recompiled_with_one_warning_naming_it(filled, tmp_path, 
     found, messages = _run(root)
     assert found["pieces_compiled"] == 2
     assert sorted(m.split()[3] for m in messages) == [str(e) for e in entries]
+    assert all(problem in m for m in messages), messages
     assert _run(root)[0]["piece_cache_hits"] == 2  # stored again, whole
 
 

@@ -880,6 +880,21 @@ def test_output_view_of_runner_input_aliases_the_callers_tensor():
     assert_replayed(backend)
 
 
+def test_plan_names_the_outputs_that_view_an_input_from_functionalization():
+    """The aliasing facts: views (``view``, ``t``) and an input written in place and returned
+    are outputs aliasing an input; fresh results (``+``, ``clone``) are not."""
+
+    def f(x, y):
+        return x.view(-1), x + 1, y.t(), x.clone(), y.mul_(2)
+
+    model, backend = _compile(f)
+    with torch.no_grad():
+        model(torch.randn(2, 2), torch.randn(2, 2))
+    (piece,) = backend.plans[0].pieces
+    assert piece.kind == "captured" and piece.writes == ("l_y_",)
+    assert sorted(piece.aliases) == ["mul_ -> l_y_", "t -> l_y_", "view -> l_x_"], piece.aliases
+
+
 def test_overlapping_runner_inputs_keep_their_aliasing():
     """Runner inputs sharing storage, one written in place and one copied: each such call runs
     uncaptured, counted and warned once; calls without the overlap capture and replay."""

@@ -214,6 +214,20 @@ def test_watch_warns_once_naming_the_piece_and_what_changed(caplog):
     assert "fxsplit graph_0: 1 captured piece, 16 calls: 0 replays (0 %)" in caplog.text
 
 
+def test_watch_stays_silent_for_a_piece_that_replayed_before_its_new_keys():
+    """A piece that replayed once has a key that repeats: later new keys (a workload with many
+    sizes) are no reason to warn, however many."""
+    backend = fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(Grow(), backend=backend, dynamic=True)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+        warnings.simplefilter("always")
+        for n in (2, 2, 2, *range(3, 3 + 2 * replay_watch.NEW_KEYS)):
+            compiled(x, n)
+    assert counters.snapshot()["replays"] == 1
+    assert not [w for w in seen if "new capture key" in str(w.message)]
+
+
 def test_watch_names_the_token_count_and_capture_sizes():
     backend = fxsplit.Backend(capture="emulate")
     lin = nn.Linear(8, 8)
