@@ -62,3 +62,20 @@ def test_table_and_summary_say_why_an_architecture_did_not_run():
     )
     assert zoo.summary(rows).endswith("1 wrong, 1 crash")
     assert [zoo.Row.from_dict(r.as_dict()) for r in rows] == rows
+
+
+def test_a_model_transformers_cannot_build_is_no_fxsplit_crash():
+    """transformers' own ValueErrors while building (Gemma3n's cache layer types, Zamba's tied
+    weights) say 'cannot build tiny'; only an unknown name raises."""
+    from fxsplit.tools import coverage
+
+    def build(name):
+        raise ValueError("The set of layer types producing a cache is different")
+
+    result = coverage.attempt("LlamaForCausalLM", "v1", build=build)
+    assert (
+        result.error
+        == "cannot build tiny: ValueError: The set of layer types producing a cache is different"
+    )
+    with pytest.raises(hf_architectures.UnknownArchitecture, match="NoSuchForCausalLM"):
+        coverage.check("NoSuchForCausalLM", "v1", build=hf_zoo.build)

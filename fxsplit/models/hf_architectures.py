@@ -50,6 +50,7 @@ __all__ = [
     "NOT_SHIPPED",
     "PREFILL_LEN",
     "Architecture",
+    "UnknownArchitecture",
     "available",
     "build",
     "declare_static",
@@ -347,6 +348,10 @@ def names() -> list[str]:
     return list(ARCHITECTURES)
 
 
+class UnknownArchitecture(ValueError):
+    """An architecture name the builder does not know (the message lists the known ones)."""
+
+
 def _architecture(name: str) -> Architecture:
     try:
         return ARCHITECTURES[name]
@@ -355,7 +360,7 @@ def _architecture(name: str) -> Architecture:
         hint = f"; transformers does not ship it, use {relative}" if relative else ""
         if name in NOT_SHIPPED and relative is None:
             hint = "; transformers does not ship it and has no relative of it"
-        raise ValueError(
+        raise UnknownArchitecture(
             f"unknown architecture {name!r}{hint}; known architectures: {', '.join(names())}"
         ) from None
 

@@ -91,7 +91,11 @@ def _config_class(architecture: str):
     for model_type, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
         if name == architecture and model_type in CONFIG_MAPPING_NAMES:
             return getattr(transformers, CONFIG_MAPPING_NAMES[model_type])
-    raise ValueError(f"{architecture!r} is not a causal-LM architecture of this transformers")
+    from fxsplit.models.hf_architectures import UnknownArchitecture
+
+    raise UnknownArchitecture(
+        f"{architecture!r} is not a causal-LM architecture of this transformers"
+    )
 
 
 def _layers(config, count: int | None) -> list[int] | None:
@@ -149,7 +153,8 @@ def tiny_config(architecture: str):
     """The config of ``architecture`` shrunk to tiny sizes (see the module docstring).
 
     Raises:
-        ValueError: not a causal-LM architecture of the installed transformers.
+        UnknownArchitecture: (a ValueError) not a causal-LM architecture of the installed
+            transformers.
         Exception: whatever the config class raises on the tiny values.
     """
     config = _config_class(architecture)()

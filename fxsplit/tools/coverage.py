@@ -183,7 +183,7 @@ def check(
     """
     try:
         model = build(architecture).to(device)
-    except (ValueError, ImportError):
+    except (hf_architectures.UnknownArchitecture, ImportError):
         raise
     except Exception as error:
         raise NotRunnable(f"cannot build tiny: {_why(error)}") from error
