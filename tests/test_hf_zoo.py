@@ -65,12 +65,24 @@ def test_table_and_summary_say_why_an_architecture_did_not_run():
 
 
 def test_a_model_transformers_cannot_build_is_no_fxsplit_crash():
-    """transformers' own ValueErrors while building (Gemma3n's cache layer types, Zamba's tied
-    weights) say 'cannot build tiny'; only an unknown name raises."""
+    """transformers' own errors while building (Gemma3n's cache layer types, Zamba's tied
+    weights, a vision tower's missing PIL) say 'cannot build tiny'; only an unknown name, or a
+    transformers without the class, raises."""
     from fxsplit.tools import coverage
 
     def build(name):
         raise ValueError("The set of layer types producing a cache is different")
+
+    result = coverage.attempt("LlamaForCausalLM", "v1", build=build)
+    assert result.error.startswith("cannot build tiny: ValueError")
+
+    def build_vision(name):
+        raise ImportError("TimmWrapperModel requires the PIL library")  # Gemma3n's vision tower
+
+    result = coverage.attempt("LlamaForCausalLM", "v1", build=build_vision)
+    assert (
+        result.error == "cannot build tiny: ImportError: TimmWrapperModel requires the PIL library"
+    )
 
     result = coverage.attempt("LlamaForCausalLM", "v1", build=build)
     assert (

@@ -183,9 +183,13 @@ def check(
     """
     try:
         model = build(architecture).to(device)
-    except (hf_architectures.UnknownArchitecture, ImportError):
+    except hf_architectures.UnknownArchitecture:
         raise
     except Exception as error:
+        if isinstance(error, ImportError) and not hf_architectures.shipped(architecture):
+            raise  # transformers is missing or lacks the class
+        # transformers' own errors for that config, or a dependency it lacks (PIL for a vision
+        # tower)
         raise NotRunnable(f"cannot build tiny: {_why(error)}") from error
     ids = [t.to(device) for t in hf_architectures.token_ids(model, steps)]
     try:
