@@ -397,3 +397,44 @@ def test_work_feeding_step_size_nodes_never_moves_past_a_write_through_an_alias(
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     if capture == "emulate":
         assert counters.snapshot()["replays"] > 0
+
+
+class Normalised(nn.Module):
+    """Running statistics over the grown cache, read before the norm updates them and used
+    after: ``batch_norm`` and ``instance_norm`` write them, their schemas do not say so."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = norm
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        mean = torch.zeros(cache.keys.shape[1])
+        before = mean + 1
+        normed = self.norm(cache.keys, mean, torch.ones(cache.keys.shape[1]))
+        return self.lin((normed * (before + mean)[None, :, None]).sum(1))
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        lambda x, mean, var: nn.functional.batch_norm(x, mean, var, training=True, momentum=0.5),
+        lambda x, mean, var: nn.functional.instance_norm(x, mean, var, momentum=0.5),
+    ],
+    ids=["batch_norm", "instance_norm"],
+)
+def test_work_feeding_step_size_nodes_never_moves_past_a_write_its_schema_hides(norm):
+    model = Normalised(norm).eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    backend = fxsplit.Backend(capture="emulate")
+    got = run(torch.compile(model, backend=backend))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert counters.snapshot()["replays"] > 0
