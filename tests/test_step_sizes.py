@@ -438,3 +438,41 @@ def test_work_feeding_step_size_nodes_never_moves_past_a_write_its_schema_hides(
     got = run(torch.compile(model, backend=backend))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert counters.snapshot()["replays"] > 0
+
+
+class DefaultDtype(nn.Module):
+    """Positions over the grown cache made before a global setter (``set_default_dtype``) and
+    used after it: the setter is a Python call in the graph, no grad or autocast switch, yet
+    ``arange(n) * 0.1`` gives another dtype past it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        positions = torch.arange(cache.keys.shape[1]) * 0.1
+        torch.set_default_dtype(torch.float64)
+        wide = torch.arange(cache.keys.shape[1]) * 0.1
+        torch.set_default_dtype(torch.float32)
+        mixed = (cache.keys * positions[None, :, None]).sum(1) + wide.sum().float()
+        return self.lin(mixed)
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_work_feeding_step_size_nodes_never_moves_past_a_global_setter(capture):
+    model = DefaultDtype().eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    backend = fxsplit.Backend(capture=capture)
+    got = run(torch.compile(model, backend=backend))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.get_default_dtype() == torch.float32
+    if capture == "emulate":
+        assert counters.snapshot()["replays"] > 0

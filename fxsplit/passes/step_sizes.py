@@ -145,7 +145,7 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     between ``doubled = positions * 2`` and its user, or through an alias made by an op that
     reads other tensors too: ``positions.view_as(x).add_(1)``, ``positions.to(x).add_(1)``, or
     by an op whose schema does not declare it: ``batch_norm``'s running statistics), and never
-    across a global-state switch (grad mode, autocast)."""
+    across a global-state switch (grad mode, autocast) or setter (``set_default_dtype``)."""
     constant = {n for n in graph.nodes if _constant(n)}
     built: set[Node] = set()
     for node in graph.nodes:
@@ -187,14 +187,17 @@ def _constant(node: Node) -> bool:
 
 
 def _first_user(node: Node, writes) -> Node | None:
-    """``node``'s first user in graph order; None where a global-state switch, or an op that
-    may write a tensor of ``built`` (``writes``, see :func:`_writes_built`), lies between."""
+    """``node``'s first user in graph order; None where a global-state switch or setter
+    (``set_default_dtype``), or an op that may write a tensor of ``built`` (``writes``, see
+    :func:`_writes_built`), lies between."""
     users = node.users
     current = node.next
     while current.op != "root":
         if current in users:
             return current
-        if global_state.is_state_node(current) or writes(current):
+        if global_state.is_state_node(current) or global_state.is_setter(current):
+            return None
+        if writes(current):
             return None
         current = current.next
     return None
