@@ -79,3 +79,38 @@ def test_sdpa_kernel_keeps_what_it_governs_eager_in_one_piece():
     assert "state:_sdpa_kernel" in governed[0].reasons
     assert [p.kind for p in plan.pieces].count("captured") >= 1
     assert counters.snapshot()["replays"] > 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a setter called once is captured and skipped on replay; governing to the graph's end "
+    "would also catch torch._C._log_api_usage_once (DeepSeek-V2: the whole graph eager)",
+)
+def test_a_setter_left_set_at_the_graphs_end_governs_to_the_end():
+    """A setter called once in a graph (the state it sets holds on past a graph break) runs
+    eagerly with everything after it: a replay runs none of a captured piece's Python, so the
+    default dtype would stay unset, and ``arange(4) * 0.1`` promote to float32 in its
+    float64 buffer."""
+
+    def f(x):
+        h = x.relu() * 2
+        torch.set_default_dtype(torch.float64)
+        wide = torch.arange(4) * 0.1 + 1e-9
+        h = h + 1
+        torch._dynamo.graph_break()
+        later = torch.arange(4) * 0.1 + 1e-9
+        torch.set_default_dtype(torch.float32)
+        return h * 3, wide, later
+
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
+    model = torch.compile(f, backend=backend)
+    with torch.no_grad():
+        for step in range(4):
+            x = torch.randn(2, 8)
+            got, want = model(x), f(x)
+            assert all(a.dtype == b.dtype for a, b in zip(got, want, strict=True)), step
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), step
+    assert torch.get_default_dtype() == torch.float32
+    plan = backend.plans[0]
+    assert "state:set_default_dtype" in plan.eager[-1].reasons, plan.format()
+    assert counters.snapshot()["replays"] > 0

@@ -269,11 +269,11 @@ piece_6  captured   57  -          -
 graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 11 pieces, 6 captured, 5 eager
 piece     kind      ops  regions    reasons
 piece_0   captured    1  -          -
-piece_1   eager       9  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
+piece_1   eager      10  attn_prep  dynamic:cache.layers[0].keys.size(2),preset:rotary_embedding,region:attn_prep
 piece_2   captured   51  -          -
 piece_3   eager       2  -          dynamic:cache.layers[0].keys.size(2)
 piece_4   captured    1  -          -
-piece_5   eager      10  attention  dynamic:cache.layers[0].keys.size(2),preset:sdpa,region:attention
+piece_5   eager       9  attention  dynamic:cache.layers[0].keys.size(2),preset:sdpa,region:attention
 piece_6   captured   71  -          -
 piece_7   eager       2  -          dynamic:cache.layers[1].values.size(2)
 piece_8   captured    1  -          -

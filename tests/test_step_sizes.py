@@ -366,3 +366,127 @@ def test_work_feeding_step_size_nodes_never_moves_past_a_write_to_what_it_reads(
     got = run(torch.compile(model, backend=backend))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert counters.snapshot()["replays"] > 0
+
+
+class RewrittenThroughAlias(nn.Module):
+    """As :class:`Rewritten`, the write going through an alias made by an op that also reads a
+    tensor of the step (``positions.view_as(x)``, ``positions.to(x)``): the alias is no pure
+    work of host values, yet it shares the positions' memory."""
+
+    def __init__(self, alias):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.alias = alias
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        positions = torch.arange(cache.keys.shape[1], dtype=torch.float32)
+        doubled = positions * 2
+        self.alias(positions, cache.keys[0, :, 0]).add_(1)
+        return self.lin((cache.keys * (positions + doubled)[None, :, None]).sum(1))
+
+
+@pytest.mark.parametrize(
+    "alias",
+    [
+        lambda positions, like: positions.view_as(like),
+        lambda positions, like: positions.to(like),
+        lambda positions, like: positions.type_as(like),
+    ],
+    ids=["view_as", "to", "type_as"],
+)
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_work_feeding_step_size_nodes_never_moves_past_a_write_through_an_alias(alias, capture):
+    model = RewrittenThroughAlias(alias).eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    backend = fxsplit.Backend(capture=capture)
+    got = run(torch.compile(model, backend=backend))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if capture == "emulate":
+        assert counters.snapshot()["replays"] > 0
+
+
+class Normalised(nn.Module):
+    """Running statistics over the grown cache, read before the norm updates them and used
+    after: ``batch_norm`` and ``instance_norm`` write them, their schemas do not say so."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.norm = norm
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        mean = torch.zeros(cache.keys.shape[1])
+        before = mean + 1
+        normed = self.norm(cache.keys, mean, torch.ones(cache.keys.shape[1]))
+        return self.lin((normed * (before + mean)[None, :, None]).sum(1))
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [
+        lambda x, mean, var: nn.functional.batch_norm(x, mean, var, training=True, momentum=0.5),
+        lambda x, mean, var: nn.functional.instance_norm(x, mean, var, momentum=0.5),
+    ],
+    ids=["batch_norm", "instance_norm"],
+)
+def test_work_feeding_step_size_nodes_never_moves_past_a_write_its_schema_hides(norm):
+    model = Normalised(norm).eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    backend = fxsplit.Backend(capture="emulate")
+    got = run(torch.compile(model, backend=backend))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert counters.snapshot()["replays"] > 0
+
+
+class DefaultDtype(nn.Module):
+    """Positions over the grown cache made before a global setter (``set_default_dtype``) and
+    used after it: the setter is a Python call in the graph, no grad or autocast switch, yet
+    ``arange(n) * 0.1`` gives another dtype past it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        positions = torch.arange(cache.keys.shape[1]) * 0.1
+        torch.set_default_dtype(torch.float64)
+        wide = torch.arange(cache.keys.shape[1]) * 0.1
+        torch.set_default_dtype(torch.float32)
+        mixed = (cache.keys * positions[None, :, None]).sum(1) + wide.sum().float()
+        return self.lin(mixed)
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_work_feeding_step_size_nodes_never_moves_past_a_global_setter(capture):
+    model = DefaultDtype().eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    backend = fxsplit.Backend(capture=capture)
+    got = run(torch.compile(model, backend=backend))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.get_default_dtype() == torch.float32
+    if capture == "emulate":
+        assert counters.snapshot()["replays"] > 0

@@ -108,7 +108,7 @@ def setter_spans(nodes: list[Node]) -> dict[Node, str]:
     """
     calls: dict[object, list[int]] = {}
     for i, node in enumerate(nodes):
-        if _is_setter(node):
+        if is_setter(node):
             calls.setdefault(node.target, []).append(i)
     governed: dict[Node, str] = {}
     for target, where in calls.items():
@@ -119,7 +119,9 @@ def setter_spans(nodes: list[Node]) -> dict[Node, str]:
     return governed
 
 
-def _is_setter(node: Node) -> bool:
+def is_setter(node: Node) -> bool:
+    """A call of a global setter (see :func:`setter_spans`): a Python function, not an op, that
+    returns nothing, has no users and takes no tensor (``torch.set_default_dtype``)."""
     if node.op != "call_function" or node.users or is_state_node(node):
         return False
     target = node.target

@@ -44,9 +44,9 @@ import re
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Graph, Node, map_arg
 
-from fxsplit.passes import global_state, op_facts
+from fxsplit.passes import aliasing, global_state, op_facts
 
 __all__ = ["StepSizes", "describe", "find", "symbols"]
 
@@ -142,8 +142,10 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     alone between eager nodes as a captured piece of one or two ops. Only work built from host
     values and constants moves, never a random op (moved past another, it would draw that
     one's numbers), never past a write to a tensor such work made (``positions[1:].add_(1)``
-    between ``doubled = positions * 2`` and its user), and never across a global-state switch
-    (grad mode, autocast)."""
+    between ``doubled = positions * 2`` and its user, or through an alias made by an op that
+    reads other tensors too: ``positions.view_as(x).add_(1)``, ``positions.to(x).add_(1)``, or
+    by an op whose schema does not declare it: ``batch_norm``'s running statistics), and never
+    across a global-state switch (grad mode, autocast) or setter (``set_default_dtype``)."""
     constant = {n for n in graph.nodes if _constant(n)}
     built: set[Node] = set()
     for node in graph.nodes:
@@ -156,10 +158,18 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
             and (node in constant or not op_facts.may_write(node))
         ):
             built.add(node)
+    memory = {m for n in built if (m := _storage(n)) is not None}
+    known: dict[Node, bool] = {}
+
+    def writes(node: Node) -> bool:
+        if node not in known:
+            known[node] = _writes_built(node, built, memory)
+        return known[node]
+
     for node in reversed(list(graph.nodes)):
         if node not in built or not node.users or not all(u in reasons for u in node.users):
             continue
-        first = _first_user(node, built)
+        first = _first_user(node, writes)
         if first is None:
             continue
         if first is not node.next:
@@ -176,30 +186,76 @@ def _constant(node: Node) -> bool:
     )
 
 
-def _first_user(node: Node, built: set[Node]) -> Node | None:
-    """``node``'s first user in graph order; None where a global-state switch, or an op that
-    may write a tensor of ``built`` (or a module constant), lies between."""
+def _first_user(node: Node, writes) -> Node | None:
+    """``node``'s first user in graph order; None where a global-state switch or setter
+    (``set_default_dtype``), or an op that may write a tensor of ``built`` (``writes``, see
+    :func:`_writes_built`), lies between."""
     users = node.users
     current = node.next
     while current.op != "root":
         if current in users:
             return current
-        if global_state.is_state_node(current) or _writes_built(current, built):
+        if global_state.is_state_node(current) or global_state.is_setter(current):
+            return None
+        if writes(current):
             return None
         current = current.next
     return None
 
 
-def _writes_built(node: Node, built: set[Node]) -> bool:
-    """Whether ``node`` may write one of its inputs that is in ``built`` or a module constant
-    (a view of one is in ``built`` too: views are pure work)."""
+def _writes_built(node: Node, built: set[Node], memory: set[int]) -> bool:
+    """Whether ``node`` may write one of its inputs that is in ``built``, a module constant, or
+    shares the memory of a tensor of ``built`` (``memory``: their storages, as Dynamo's example
+    values hold them; an alias is not always pure work: ``positions.view_as(x)`` reads ``x``).
+    Where the schemas say the op writes nothing, functionalization is asked
+    (:func:`_writes_when_run`)."""
     if node.op not in ("call_function", "call_method", "call_module"):
         return False
     if not any(
-        a.op == "get_attr" or (a in built and not _constant(a)) for a in node.all_input_nodes
+        a.op == "get_attr" or (a in built and not _constant(a)) or _storage(a) in memory
+        for a in node.all_input_nodes
     ):
         return False  # only tensors are written: host arithmetic on built values writes none
-    return node.op == "call_module" or node.is_impure() or op_facts.may_write(node, dispatch=True)
+    return (
+        node.op == "call_module"
+        or node.is_impure()
+        or op_facts.may_write(node, dispatch=True)
+        or _writes_when_run(node)
+    )
+
+
+def _writes_when_run(node: Node) -> bool:
+    """Whether ``node``, run on fake copies of its inputs, writes one, as functionalization
+    sees it (:func:`fxsplit.passes.aliasing.analyse`): the schema of an op that decomposes need
+    not declare what its decomposition writes (``batch_norm`` and ``instance_norm`` write their
+    running statistics). True where the analysis cannot run (no example value, a data-dependent
+    size)."""
+    inputs = node.all_input_nodes
+
+    def run(*values):
+        env = dict(zip(inputs, values, strict=True))
+        args, kwargs = map_arg((node.args, node.kwargs), env.__getitem__)
+        if node.op == "call_method":
+            getattr(args[0], node.target)(*args[1:], **kwargs)
+        else:
+            node.target(*args, **kwargs)
+        return ()
+
+    facts = aliasing.analyse(run, [n.meta.get("example_value") for n in inputs], 0)
+    written = facts.written or facts.metadata_written
+    return facts.error is not None or facts.deferred or bool(written)
+
+
+def _storage(node: Node) -> int | None:
+    """The identity of the storage of ``node``'s example value (shared by all its aliases), or
+    None where it has none (a host value, no example value)."""
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # no storage to compare
+        return None
 
 
 def _unused_host_value(node: Node) -> bool:

@@ -1,0 +1,193 @@
+"""Property: moving the work that feeds step-size nodes (:func:`fxsplit.passes.step_sizes.find`)
+never changes a number.
+
+Every example is a small program over tensors of the grown cache's length ``n``: values made
+from ``n`` alone (what moves), aliases of them (views, and aliases made by ops that read another
+tensor too: ``view_as``, ``to``, ``type_as``), pure work, writes to any of them (in-place methods,
+``out=``, item assignment, through a slice, ``batch_norm``'s running statistics that its schema
+does not declare) and a global setter (``set_default_dtype``) between work and its use. Every
+value feeds the output, so all of it depends on the cache's length and may move next to its
+first user. Under both ``"off"`` and ``"emulate"`` the compiled model returns exactly what eager
+returns on every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+from fxsplit import counters
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("fresh_capture_state"),
+    pytest.mark.filterwarnings("ignore:.*is in any region:fxsplit.FxsplitWarning"),
+]
+
+MAKE = ("arange", "promoted", "ones", "set_default_dtype")
+ALIAS = ("view_as", "to", "type_as", "reshape", "slice_all", "unsqueeze")
+PURE = ("double", "plus_one", "cumsum", "tanh", "sum_of_two", "promoted", "batch_norm")
+WRITE = ("add_", "mul_", "setitem", "copy_", "clamp_", "relu_", "out", "tail_add_", "index_fill_")
+
+
+def _make(kind, n):
+    if kind == "arange":
+        return torch.arange(n, dtype=torch.float32)
+    if kind == "promoted":  # the default dtype decides the product's
+        return torch.arange(n) * 0.1
+    if kind == "ones":
+        return torch.ones(n) * 2
+    torch.set_default_dtype(torch.float64)
+    wide = torch.arange(n) * 0.1
+    torch.set_default_dtype(torch.float32)
+    return wide.float()
+
+
+def _alias(kind, a, like):
+    return {
+        "view_as": lambda: a.view_as(like),
+        "to": lambda: a.to(like),
+        "type_as": lambda: a.type_as(like),
+        "reshape": lambda: a.reshape(-1),
+        "slice_all": lambda: a[:],
+        "unsqueeze": lambda: a.unsqueeze(0)[0],
+    }[kind]()
+
+
+def _pure(kind, a, b, keys):
+    if kind == "batch_norm":  # writes ``a``, its running mean
+        normed = nn.functional.batch_norm(keys, a, torch.ones_like(a), training=True, momentum=0.5)
+        return normed.sum((0, 2))
+    return {
+        "double": lambda: a * 2,
+        "plus_one": lambda: a + 1,
+        "cumsum": lambda: a.cumsum(0),
+        "tanh": lambda: a.tanh(),
+        "sum_of_two": lambda: a + b,
+        "promoted": lambda: a.to(torch.int64) * 0.1,  # in the default dtype
+    }[kind]()
+
+
+def _write(kind, a, b, x):
+    if kind == "add_":
+        a.add_(1)
+    elif kind == "mul_":
+        a.mul_(3)
+    elif kind == "setitem":
+        a[0] = 5.0
+    elif kind == "copy_":
+        a.copy_(b)
+    elif kind == "clamp_":
+        a.clamp_(max=2.0)
+    elif kind == "relu_":
+        nn.functional.relu(a, inplace=True)
+    elif kind == "out":
+        torch.add(b, 1, out=a)
+    elif kind == "tail_add_":
+        a[1:].add_(x.sum())
+    else:
+        a.index_fill_(0, (x[0, 0, :1] * 0).long(), -1.0)
+
+
+class Program(nn.Module):
+    """Runs ``program`` (a list of instructions) over the cache's length after growing it."""
+
+    def __init__(self, program):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.program = program
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        n = cache.keys.shape[1]
+        like = cache.keys[0, :, 0]
+        values = []
+        for group, kind, i, j in self.program:
+            a, b = (values[i % len(values)], values[j % len(values)]) if values else (None, None)
+            if group == "make" or not values:
+                values.append(_make(kind if group == "make" else "arange", n))
+            elif group == "alias":
+                values.append(_alias(kind, a, like))
+            elif group == "pure":
+                values.append(_pure(kind, a, b, cache.keys))
+            elif a is not b or kind not in ("copy_", "out"):  # never a copy into itself
+                _write(kind, a, b, x)
+        total = sum(values)
+        return self.lin((cache.keys * total[None, :, None]).sum(1))
+
+
+class Cache:
+    def __init__(self):
+        self.keys = torch.zeros(1, 2, 8)
+
+
+def _instruction(group, kinds):
+    return st.tuples(st.just(group), st.sampled_from(kinds), st.integers(0, 7), st.integers(0, 7))
+
+
+# The hazard first: a value, work reading it, an alias of it, then a write to that alias (or a
+# write its schema hides, or a setter); more instructions after.
+HAZARD = st.tuples(
+    _instruction("make", MAKE),
+    st.tuples(st.just("pure"), st.sampled_from(PURE[:-1]), st.just(0), st.just(0)),
+    st.tuples(st.just("alias"), st.sampled_from(ALIAS), st.just(0), st.just(0)),
+    st.one_of(
+        st.tuples(st.just("write"), st.sampled_from(WRITE), st.just(2), st.integers(0, 2)),
+        st.tuples(st.just("pure"), st.just("batch_norm"), st.just(0), st.just(0)),
+        st.tuples(st.just("make"), st.just("set_default_dtype"), st.just(0), st.just(0)),
+    ),
+)
+PROGRAMS = st.builds(
+    lambda hazard, more: [*hazard, *more],
+    HAZARD,
+    st.lists(
+        st.one_of(
+            _instruction("make", MAKE),
+            _instruction("alias", ALIAS),
+            _instruction("pure", PURE),
+            _instruction("write", WRITE),
+        ),
+        max_size=6,
+    ),
+)
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@settings(max_examples=max(settings.default.max_examples // 5, 1))
+@given(program=PROGRAMS, capture=st.sampled_from(["off", "emulate"]))
+# the kinds found so far: a write through an alias made by an op that reads another tensor
+# too, a write the schema hides (a setter between work and its use: tests/test_step_sizes.py)
+@example(
+    [
+        ("make", "arange", 0, 0),
+        ("pure", "double", 0, 0),
+        ("alias", "view_as", 0, 0),
+        ("write", "add_", 2, 0),
+    ],
+    "off",
+)
+@example([("make", "arange", 0, 0), ("pure", "double", 0, 0), ("pure", "batch_norm", 0, 0)], "off")
+def test_moved_work_never_changes_a_number(program, capture):
+    model = Program(program).eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        cache = Cache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    torch._dynamo.reset()
+    counters.reset()
+    got = run(torch.compile(model, backend=fxsplit.Backend(capture=capture)))
+    assert all(_same(a, b) for a, b in zip(got, want, strict=True))
+    if capture == "emulate":
+        assert counters.snapshot()["replays"] > 0
