@@ -325,9 +325,12 @@ class CapturedPiece(torch.nn.Module):
     def _miss(self, key, inputs):
         runtime = self.runtime
         done = self.warmups.get(key, 0)
+        before = torch._C._dynamo.guards.GlobalStateGuard()
         if done < self.min_warmups:
             self.warmups[key] = done + 1
-            return self._uncaptured(inputs, key)
+            out = self._uncaptured(inputs, key)
+            self._check_global_state(before)
+            return out
         if len(self.entries) >= runtime.max_captured_keys:
             self._refuse(
                 f"max_captured_keys={runtime.max_captured_keys} reached; further keys run "
@@ -358,7 +361,16 @@ class CapturedPiece(torch.nn.Module):
             return out
         self.entries[key] = entry
         self.stats.add(entry.counts, "captures")
+        self._check_global_state(before)
         return self._results(entry, inputs)
+
+    def _check_global_state(self, before) -> None:
+        """Never capture a piece whose run changed the global state Dynamo guards on
+        (``torch.set_default_dtype`` called once, restored in a later graph): a replay runs
+        none of its Python, so the state would stay as it was for everything after it."""
+        if not before.check():
+            reason = before.reason() if hasattr(before, "reason") else "global state"
+            self.failed = f"it changes global state ({reason.strip()}) that a replay would not"
 
     def _recapture(self, entry: _Entry, inputs):
         """Replace ``entry``'s graph by a new capture: it was captured before a graph already
