@@ -266,6 +266,23 @@ class Sampled(nn.Module):
         return (cache.keys * mask[None, :, None]).sum(1) + self.lin(noise)
 
 
+def _equals_eager_step_by_step(model: nn.Module, capture: str = "emulate", *extra) -> None:
+    """Decode 6 steps over a fresh :class:`GrowingCache` (same seed) eagerly and compiled:
+    every step equal, and under emulated capture some piece replayed."""
+
+    def run(fn):
+        torch.manual_seed(0)
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache, *extra).clone() for _ in range(6)]
+
+    want = run(model)
+    got = run(torch.compile(model, backend=fxsplit.Backend(capture=capture)))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if capture == "emulate":
+        assert counters.snapshot()["replays"] > 0
+
+
 @pytest.mark.parametrize(
     "draw",
     [
@@ -277,19 +294,7 @@ class Sampled(nn.Module):
 def test_random_work_over_a_step_size_keeps_its_place_in_the_random_stream(draw):
     """Work that feeds only step-size nodes moves next to them; a random op moved past another
     draws the other's numbers."""
-    model = Sampled().eval()
-
-    def run(fn):
-        torch.manual_seed(0)
-        cache = GrowingCache()
-        with torch.no_grad():
-            return [fn(torch.randn(1, 1, 8), cache, draw).clone() for _ in range(6)]
-
-    want = run(model)
-    backend = fxsplit.Backend(capture="emulate")
-    got = run(torch.compile(model, backend=backend))
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert counters.snapshot()["replays"] > 0
+    _equals_eager_step_by_step(Sampled().eval(), "emulate", draw)
 
 
 CAPTURE_SIZES = [2 * k for k in range(1, replay_watch.NEW_KEYS + 3)]  # more than NEW_KEYS
@@ -353,19 +358,7 @@ class Rewritten(nn.Module):
 
 
 def test_work_feeding_step_size_nodes_never_moves_past_a_write_to_what_it_reads():
-    model = Rewritten().eval()
-
-    def run(fn):
-        torch.manual_seed(0)
-        cache = GrowingCache()
-        with torch.no_grad():
-            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
-
-    want = run(model)
-    backend = fxsplit.Backend(capture="emulate")
-    got = run(torch.compile(model, backend=backend))
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert counters.snapshot()["replays"] > 0
+    _equals_eager_step_by_step(Rewritten().eval(), "emulate")
 
 
 class RewrittenThroughAlias(nn.Module):
@@ -397,20 +390,7 @@ class RewrittenThroughAlias(nn.Module):
 )
 @pytest.mark.parametrize("capture", ["emulate", "off"])
 def test_work_feeding_step_size_nodes_never_moves_past_a_write_through_an_alias(alias, capture):
-    model = RewrittenThroughAlias(alias).eval()
-
-    def run(fn):
-        torch.manual_seed(0)
-        cache = GrowingCache()
-        with torch.no_grad():
-            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
-
-    want = run(model)
-    backend = fxsplit.Backend(capture=capture)
-    got = run(torch.compile(model, backend=backend))
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    if capture == "emulate":
-        assert counters.snapshot()["replays"] > 0
+    _equals_eager_step_by_step(RewrittenThroughAlias(alias).eval(), capture)
 
 
 class Normalised(nn.Module):
@@ -439,19 +419,7 @@ class Normalised(nn.Module):
     ids=["batch_norm", "instance_norm"],
 )
 def test_work_feeding_step_size_nodes_never_moves_past_a_write_its_schema_hides(norm):
-    model = Normalised(norm).eval()
-
-    def run(fn):
-        torch.manual_seed(0)
-        cache = GrowingCache()
-        with torch.no_grad():
-            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
-
-    want = run(model)
-    backend = fxsplit.Backend(capture="emulate")
-    got = run(torch.compile(model, backend=backend))
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert counters.snapshot()["replays"] > 0
+    _equals_eager_step_by_step(Normalised(norm).eval(), "emulate")
 
 
 class DefaultDtype(nn.Module):
@@ -475,18 +443,5 @@ class DefaultDtype(nn.Module):
 
 @pytest.mark.parametrize("capture", ["emulate", "off"])
 def test_work_feeding_step_size_nodes_never_moves_past_a_global_setter(capture):
-    model = DefaultDtype().eval()
-
-    def run(fn):
-        torch.manual_seed(0)
-        cache = GrowingCache()
-        with torch.no_grad():
-            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
-
-    want = run(model)
-    backend = fxsplit.Backend(capture=capture)
-    got = run(torch.compile(model, backend=backend))
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    _equals_eager_step_by_step(DefaultDtype().eval(), capture)
     assert torch.get_default_dtype() == torch.float32
-    if capture == "emulate":
-        assert counters.snapshot()["replays"] > 0
