@@ -297,7 +297,7 @@ def _folder(root: Path) -> Path:
     """
     root = Path(root)
     if not root.exists():
-        raise FileNotFoundError(f"no cache folder at {root}")
+        raise FileNotFoundError(f"no cache folder at {root} (nothing compiled into it yet)")
     if not root.is_dir():
         raise NotADirectoryError(f"{root} is a file, not a cache folder")
     folder = root / PIECES

@@ -9,6 +9,7 @@ sparse indexer and attention stay eager.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -103,8 +104,10 @@ def get(name: str | Runner) -> Runner:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
+        close = difflib.get_close_matches(str(name).strip().lower(), sorted(_REGISTRY), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ValueError(
-            f"unknown runner {name!r}; registered runners: {', '.join(sorted(_REGISTRY))}"
+            f"unknown runner {name!r}; registered runners: {', '.join(sorted(_REGISTRY))}{hint}"
         ) from None
 
 

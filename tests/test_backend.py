@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -122,6 +123,18 @@ def test_cli_version_and_subcommand_descriptions(capsys):
         usage, _, rest = capsys.readouterr().out.partition("\n\n")
         assert usage.startswith(f"usage: fxsplit {command}"), command
         assert rest.split("\n")[0].strip() and not rest.startswith("options"), command
+
+
+@pytest.mark.parametrize("columns", ["60", "80"])
+def test_cli_help_never_breaks_an_option_name_across_lines(monkeypatch, capsys, columns):
+    from fxsplit.tools import cli
+
+    monkeypatch.setenv("COLUMNS", columns)
+    for argv in (["--help"], ["cache", "--help"], ["demo", "--help"], ["dump", "--help"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        out = capsys.readouterr().out
+        assert not re.search(r"--[a-z]+(-[a-z]+)*-\n", out), (argv, out)
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["demo", "--help"], ["cache", "-h"]])

@@ -162,6 +162,12 @@ def test_unknown_runner_lists_registered_runners():
     assert str(info.value) == f"unknown runner 'v3'; registered runners: {names}"
 
 
+@pytest.mark.parametrize("name", ["V2", " v1", "v2 "])
+def test_unknown_runner_close_to_a_registered_one_suggests_it(name):
+    with pytest.raises(ValueError, match=rf"; did you mean '{name.strip().lower()}'\?$"):
+        fxsplit.Backend(runner=name)
+
+
 def test_unknown_runner_through_the_string_backend_is_the_cause():
     error = _string_backend_error({"runner": "V2"})
     assert any(

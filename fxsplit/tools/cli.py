@@ -247,8 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     diff.add_argument(
         "--summary", action="store_true", help="only pieces and moves by region, no node table"
     )
-    cache_help = "show or clear the cache of compiled pieces (--cache-dir, $FXSPLIT_CACHE_DIR)"
-    cache_parser = commands.add_parser("cache", help=cache_help, description=cache_help)
+    cache_parser = commands.add_parser(
+        "cache",
+        # a help line without hyphens: argparse wraps words at them ("--cache-" / "dir")
+        help="show or clear the cache of compiled pieces",
+        description="show or clear the cache of compiled pieces (folder: --cache-dir, else "
+        "$FXSPLIT_CACHE_DIR, else fxsplit under $XDG_CACHE_HOME or ~/.cache)",
+    )
     cache_parser.add_argument("action", choices=("info", "clear"))
     cache_parser.add_argument("--cache-dir", default=None, help="the cache folder")
     args = parser.parse_args(argv)
