@@ -366,3 +366,54 @@ def test_a_weight_reload_never_invalidates_the_calls_own_input_before_it_is_read
         x, x_eager = model(x), reference(x_eager)
         assert torch.equal(x, x_eager)
     assert counters.snapshot()["replays"] > 0
+
+
+STASHED: list[torch.Tensor] = []
+
+
+@torch.library.custom_op("fxsplit_lifetime::stash_softmax", mutates_args=())
+def _stash_softmax(q: torch.Tensor) -> torch.Tensor:
+    """An eager op whose kernel keeps a reference to its argument (as a prefix cache might)."""
+    STASHED.append(q)
+    return q.softmax(-1)
+
+
+@_stash_softmax.register_fake
+def _(q):
+    return torch.empty_like(q)
+
+
+class _Stashing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(D, D)
+        self.b = nn.Linear(D, D)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        return self.b(torch.ops.fxsplit_lifetime.stash_softmax(h)) * 2
+
+
+def test_a_captured_output_kept_by_an_eager_ops_kernel_keeps_its_values():
+    """piece_0's output feeds an eager splitting op whose kernel keeps a reference to it; it
+    never leaves through the graph's outputs, so nothing hands it out. Later replays of piece_0
+    rewrite that memory: the kept tensors must keep eager's values (or reading them must fail
+    loudly), with the caller's outputs dropped every step and with clone_outputs=True."""
+    STASHED.clear()
+    with torch.no_grad():
+        for step in range(5):
+            _Stashing()(_x(step))
+    want = [t.clone() for t in STASHED]
+    STASHED.clear()
+    model, backend = _compile(
+        _Stashing(), splitting_ops=["fxsplit_lifetime::stash_softmax"], clone_outputs=True
+    )
+    with torch.no_grad():
+        for step in range(5):
+            model(_x(step))
+    got, STASHED[:] = list(STASHED), []
+    assert counters.snapshot()["replays"] > 0
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), (step, (g - w).abs().max().item())

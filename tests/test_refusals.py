@@ -205,3 +205,42 @@ def test_verify_compares_bit_for_bit_in_the_emulator_and_within_tolerance_on_cud
     assert _same(a, a.clone(), exact=True) and not _same(a, b, exact=True)
     assert _same(a, b, exact=False)  # a graph-launched kernel may round differently on CUDA
     assert not _same(a, a + 1e-3, exact=False)
+
+
+@torch.library.custom_op("fxsplit_refusal::noisy_sync", mutates_args=())
+def _noisy_sync(x: torch.Tensor) -> torch.Tensor:
+    """Draws random numbers, then reads a value on the host (illegal under capture); no tag
+    says it draws random numbers."""
+    noise = torch.rand_like(x)
+    return x * x.abs().max().item() + noise
+
+
+@_noisy_sync.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _noisy_split(x):
+    h = torch.ops.fxsplit_refusal.noisy_sync(x.sin()) * 2
+    with fxsplit.region(MID):
+        h = h.cos()
+    return h + 1
+
+
+@pytest.mark.filterwarnings("ignore:.*still held:fxsplit.FxsplitRuntimeWarning")
+def test_a_failed_capture_falling_back_draws_eagers_random_numbers():
+    """piece_0's capture fails inside a custom op after it drew random numbers; the fallback
+    run must draw what eager draws (the failed capture's draws undone), on that call and after
+    (no manual_seed between calls, as in a serving loop)."""
+    model, backend = _compile(_noisy_split)
+    x = torch.randn(4, D)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        want = [_noisy_split(x) for _ in range(4)]
+    torch.manual_seed(0)
+    with torch.no_grad(), pytest.warns(fxsplit.FxsplitRuntimeWarning, match="runs uncaptured"):
+        got = [model(x).clone() for _ in range(4)]
+    assert _refused(backend)  # piece_0's capture failed and fell back
+    assert sum(c.get("replays", 0) for c in backend.stats["graph_0"]["piece_2"].values()) > 0
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), (step, (g - w).abs().max().item())
