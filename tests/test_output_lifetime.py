@@ -407,7 +407,7 @@ def test_a_captured_output_kept_by_an_eager_ops_kernel_keeps_its_values():
             _Stashing()(_x(step))
     want = [t.clone() for t in STASHED]
     STASHED.clear()
-    model, backend = _compile(
+    model, _ = _compile(
         _Stashing(), splitting_ops=["fxsplit_lifetime::stash_softmax"], clone_outputs=True
     )
     with torch.no_grad():
