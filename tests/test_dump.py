@@ -482,6 +482,9 @@ def test_cli_piped_fits_100_columns_and_cuts_no_word(command, tmp_path, capsys, 
     assert console.width == 100
     assert max(len(line) for line in console.text.splitlines()) <= 100
     assert not cut_words(console) and "…" not in console.text
+    if command == "diff":  # one line per moved node: its first cell is never empty
+        moved = re.split(r": moved nodes *\n", console.text, maxsplit=1)[1]
+        assert not re.search(r"^│\s+│", moved, re.MULTILINE), moved
 
 
 @pytest.mark.parametrize(

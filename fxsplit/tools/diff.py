@@ -154,16 +154,18 @@ def print_diff(console, diff: GraphDiff, *, nodes: bool = True) -> None:
     """
     from rich.table import Table
 
+    from fxsplit.tools.dump import titled
+
     a, b = diff.plan_a, diff.plan_b
     la, lb = "A", "B"
-    console.print(
-        f"[bold]{a.graph_id}[/bold]: {_label(a, 'A')}: {len(a.pieces)} pieces "
-        f"({len(a.captured)} captured, {len(a.eager)} eager); {_label(b, 'B')}: "
-        f"{len(b.pieces)} pieces ({len(b.captured)} captured, {len(b.eager)} eager); "
-        f"{len(diff.moved)} nodes moved",
-        highlight=False,
-    )
-    side = Table(title=f"{a.graph_id}: pieces side by side", title_justify="left")
+    console.print(f"[bold]{a.graph_id}[/bold]: {len(diff.moved)} nodes moved", highlight=False)
+    for plan, label in ((a, la), (b, lb)):
+        console.print(
+            f"  {_label(plan, label)}: {len(plan.pieces)} pieces "
+            f"({len(plan.captured)} captured, {len(plan.eager)} eager)",
+            highlight=False,
+        )
+    side = Table()
     for label in (la, lb):
         side.add_column(f"{label} piece")
         side.add_column("kind")
@@ -178,12 +180,12 @@ def print_diff(console, diff: GraphDiff, *, nodes: bool = True) -> None:
             else:
                 cells += ["", "", "", ""]
         side.add_row(*cells)
-    console.print(side)
+    console.print(titled(f"{a.graph_id}: pieces side by side", side))
     if not diff.moved:
         console.print("No node moved between eager and captured.")
     else:
-        groups = Table(title=f"{a.graph_id}: moved nodes by region", title_justify="left")
-        for column in ("regions", la, lb, "nodes", f"why under {la}", f"why under {lb}"):
+        groups = Table()
+        for column in ("regions", la, lb, "nodes", f"why {la}", f"why {lb}"):
             groups.add_column(column, overflow="fold")
         for g in diff.summary():
             groups.add_row(
@@ -194,11 +196,12 @@ def print_diff(console, diff: GraphDiff, *, nodes: bool = True) -> None:
                 ", ".join(sorted(g.why_a)) or "-",
                 ", ".join(sorted(g.why_b)) or "-",
             )
-        console.print(groups)
+        console.print(titled(f"{a.graph_id}: moved nodes by region", groups))
     if nodes and diff.moved:
-        table = Table(title=f"{a.graph_id}: moved nodes", title_justify="left")
-        for column in ("node", "regions", la, lb, f"why under {la}", f"why under {lb}"):
-            table.add_column(column, overflow="fold")
+        table = Table()
+        for column in ("node", "regions", la, lb, f"why {la}", f"why {lb}"):
+            # "captured (piece_12)" stays on one line: the reasons fold instead
+            table.add_column(column, overflow="fold", no_wrap=column in (la, lb))
         for m in diff.moved:
             table.add_row(
                 m.node,
@@ -208,7 +211,7 @@ def print_diff(console, diff: GraphDiff, *, nodes: bool = True) -> None:
                 ", ".join(m.why_a) or "-",
                 ", ".join(m.why_b) or "-",
             )
-        console.print(table)
+        console.print(titled(f"{a.graph_id}: moved nodes", table))
     if diff.only_a or diff.only_b:
         console.print(
             f"Nodes in one plan only: {len(diff.only_a)} in A, {len(diff.only_b)} in B "

@@ -52,6 +52,7 @@ __all__ = [
     "plan_dict",
     "plan_table",
     "split_graph",
+    "titled",
     "value_info",
     "write_dump",
     "write_runtime_stats",
@@ -490,17 +491,25 @@ def write_runtime_stats(folder: str | os.PathLike, stats: Mapping) -> None:
     report.write_report(folder)
 
 
+def titled(title: str, table):
+    """``table`` (a ``rich.table.Table``) under ``title``, a line of its own: rich pads a
+    table's own title to the table's width, which leaves trailing spaces in piped output."""
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(Text(title), table)
+
+
 def plan_table(plan: SplitPlan, title: str | None = None):
-    """The plan as a ``rich.table.Table``: piece, kind, ops, regions, reasons (rows by kind).
+    """The plan as a ``rich`` renderable: a title line (``title``, else :func:`graph_title`),
+    then a table of piece, kind, ops, regions, reasons (rows by kind).
 
     Regions and reasons go one per line, so the table is as wide as its longest name; a name
     longer than the terminal leaves room for (``dynamic:cache.layers[0].values.size(2)`` at 80
     columns) folds onto the next line rather than being cut."""
     from rich.table import Table
 
-    title = title or graph_title(plan)
-    # as wide as its title (up to the terminal's width), so the title wraps only where it must
-    table = Table(title=title, title_justify="left", min_width=len(title), pad_edge=False)
+    table = Table(pad_edge=False)
     table.add_column("piece")
     table.add_column("kind")
     table.add_column("ops", justify="right")
@@ -508,4 +517,4 @@ def plan_table(plan: SplitPlan, title: str | None = None):
     table.add_column("reasons", overflow="fold")
     for row in plan.rows(sep="\n"):
         table.add_row(*row, style="dark_orange" if row[1] == "eager" else None)
-    return table
+    return titled(title or graph_title(plan), table)
