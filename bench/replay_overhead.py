@@ -3,7 +3,8 @@
 Compiles the DeepSeek-V4 reference model with the CPU capture emulator, captures every piece,
 then replaces each graph's replay with a no-op so that only fxsplit's own per-call work remains:
 key building, the entry lookup, the data-pointer table checks of runner and internal inputs
-(parameters are checked once per step, not per piece), the replay call and the counters. Each
+(parameters are checked once per step, not per piece), the replay call and the counters; and
+the per-step check that no captured output gained a reference the model kept. Each
 captured piece is then called with the real inputs it saw in a decode step, lifted parameters
 included.
 
@@ -87,6 +88,13 @@ def main() -> None:
             check(inputs)
         per_step = (time.perf_counter() - start) / args.calls * 1e6
 
+        references = runtime.pool.references
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            references.kept()
+        kept_us = (time.perf_counter() - start) / args.calls * 1e6
+        followed = len(references._counts)
+
     print(f"runner {args.runner}, {len(runtime.pieces)} captured pieces, {args.calls} calls each")
     print("us/call bound: inputs at their captured addresses (steady state, no copies)")
     print("us/call step:  the inputs of a real decode step (eager outputs and fresh runner inputs")
@@ -96,6 +104,7 @@ def main() -> None:
         print(f"{name:10} {n_inputs:6d} {n_params:6d} {n_checked:7d} {bound:8.2f} {real:8.2f}")
     n_params = len(runtime._params)
     print(f"parameter address check, once per step: {per_step:.2f} us, {n_params} params")
+    print(f"kept-reference check, once per step: {kept_us:.2f} us, {followed} captured outputs")
 
 
 if __name__ == "__main__":

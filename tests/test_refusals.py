@@ -227,7 +227,6 @@ def _noisy_split(x):
     return h + 1
 
 
-@pytest.mark.filterwarnings("ignore:.*still held:fxsplit.FxsplitRuntimeWarning")
 def test_a_failed_capture_falling_back_draws_eagers_random_numbers():
     """piece_0's capture fails inside a custom op after it drew random numbers; the fallback
     run must draw what eager draws (the failed capture's draws undone), on that call and after

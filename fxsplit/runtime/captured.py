@@ -341,7 +341,14 @@ class CapturedPiece(torch.nn.Module):
             self.entries[key] = self._fix_addresses(key, inputs)
             return self._uncaptured(inputs, key)
         try:
-            entry = self._capture(key, inputs)
+            with runtime.pool.references.structural():
+                entry = self._capture(key, inputs)
+            runtime.pool.references.watch(
+                (ident for ident, _ in entry.owned),
+                runtime.static_outputs,
+                runtime.graph_id,
+                self.name,
+            )
         except BindingError:
             raise
         except _Refused as why:
@@ -395,7 +402,9 @@ class CapturedPiece(torch.nn.Module):
             runtime.static_outputs.pop(ident, None)
             runtime.pool.owners.pop(ptr, None)
         runtime.pool.ledger.invalidate_order(entry.order, runtime.pool.step)
-        entry.graph.reset()
+        runtime.pool.references.forget(ident for ident, _ in entry.owned)
+        with runtime.pool.references.structural():
+            entry.graph.reset()
 
     def _fix_addresses(self, key, inputs) -> _Entry:
         """Capture off, strict binding: the entry that fixes the persistent inputs' addresses
@@ -463,7 +472,8 @@ class CapturedPiece(torch.nn.Module):
             if emulated
             else None
         )
-        rng = torch.get_rng_state() if emulated and self.random else None
+        # an opaque op (no tag says it draws) may draw random numbers before the capture fails
+        rng = torch.get_rng_state() if emulated else None
         session.collect_once()
         try:
             run = self.run_uncaptured

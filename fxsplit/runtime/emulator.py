@@ -548,10 +548,13 @@ class EmulatedGraph:
             with _patched_syncs(), _HostReadGuard(self), recorder:
                 result = fn(*args, **kwargs)
         except BaseException as exc:
-            err = self._error
+            if self._error is not None and exc is not self._error:
+                err, self._error = self._error, None
+                try:
+                    raise err from exc
+                finally:  # err's traceback holds this frame: no cycle keeping fn's tensors
+                    del err
             self._error = None
-            if err is not None and exc is not err:
-                raise err from exc
             raise
         finally:
             _tls.active = None
@@ -668,7 +671,10 @@ class EmulatedGraph:
         err = CaptureError(op, reason)
         if self._error is None:
             self._error = err
-        raise err
+        try:
+            raise err
+        finally:  # err's traceback holds this frame: no cycle keeping the caller's tensors
+            del err
 
     def __repr__(self) -> str:
         state = f"{self.num_ops} ops" if self.captured else "empty"

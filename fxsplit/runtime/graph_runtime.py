@@ -64,6 +64,7 @@ class CaptureSession:
         self._outputs: dict[int, dict[int, StorageWeakRef]] = {}  # graph -> its last outputs
         self._taken: dict[int, StorageWeakRef] = {}  # private copies of a call under way
         self._warned_held = False
+        self._warned_kept: set[tuple[str, str]] = set()
 
     def pool(self, mode: str, device: torch.device) -> MemoryPool:
         """The memory pool of ``mode`` (``"cuda"`` / ``"emulate"``) on ``device``."""
@@ -82,6 +83,8 @@ class CaptureSession:
                 pool.begin_step(self.step)
                 if not pool.ledger.poison and not self._warned_held:
                     self._warn_held(pool)
+                for kept in pool.references.kept():
+                    self._warn_kept(*kept)
         self._called.add(id(graph))
 
     def _warn_held(self, pool: MemoryPool) -> None:
@@ -95,6 +98,18 @@ class CaptureSession:
                 "(out.clone()), or compile with options={'clone_outputs': True}",
                 FxsplitRuntimeWarning,
             )
+
+    def _warn_kept(self, graph_id: str, piece: str) -> None:
+        if (graph_id, piece) in self._warned_kept:
+            return
+        self._warned_kept.add((graph_id, piece))
+        warn_at_caller(
+            f"fxsplit {graph_id}: an output of captured {piece} is still referenced after the "
+            "call that handed it to eager code (an op, a custom op or a hook kept it), and the "
+            "next replay overwrites it: what kept it will read later values. Clone it where it "
+            "is kept (t.clone())",
+            FxsplitRuntimeWarning,
+        )
 
     def produced(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in memory fxsplit produced (see the class docstring)."""
@@ -388,6 +403,10 @@ class GraphRuntime:
         out = ()
         try:
             out = self._forward(*args)
+        except BaseException:
+            if pool is not None:  # the exception's frames hold outputs the model never kept
+                pool.references.forgive()
+            raise
         finally:
             session.exit()
             if handed:  # also when the model raised: the caller's tensors leave the pool

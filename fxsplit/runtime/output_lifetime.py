@@ -24,11 +24,20 @@ Before a replay that may overwrite a handed-out output still referenced anywhere
 
 Outputs whose storage dies are simply forgotten: a caller that drops what it does not keep pays
 nothing.
+
+A captured piece's output that only eager pieces of the same graph read is handed to them as the
+pool's own tensor (a fresh storage per call would cost every step of every layer). An op there
+that keeps a reference past the call (a custom op or a hook storing its argument) would see the
+next replay's values. :class:`OutputReferences` finds that kind from the storages' reference
+counts at each step's start, and fxsplit warns before the replay that overwrites it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,11 +45,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxsplit.runtime.storage import view_over
 
-__all__ = ["OutputLedger", "StaleOutputError"]
+__all__ = ["OutputLedger", "OutputReferences", "StaleOutputError"]
 
 log = logging.getLogger("fxsplit")
 
 _POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+_USE_COUNT = torch._C._storage_Use_Count  # tensors (and storage objects) over one storage
 
 
 class StaleOutputError(RuntimeError):
@@ -199,3 +209,76 @@ class OutputLedger:
             copy.copy_(storage)
             storage._swap_data_ptr_(copy)
         self._stale[cdata] = (handed.ref, handed.graph_id, step)
+
+
+class OutputReferences:
+    """How many references each captured output has that fxsplit accounts for.
+
+    fxsplit's own references to a captured output (the piece's outputs, later pieces' static
+    inputs bound to it, the emulator's record) change only while a graph is captured or
+    dropped: :meth:`structural` measures those changes. Any other reference that appears
+    between two steps was kept by the model (an op in an eager piece, a custom op or a hook
+    that stored a tensor it was handed, or a view of it), and the next replay overwrites what
+    it sees. A reference is counted three ways, each catching one way of keeping: the Python
+    object's reference count (the same tensor stored), the tensor's own (C++ code holding it)
+    and its storage's (a view kept). Outputs are held by weak reference.
+    """
+
+    def __init__(self):
+        self._counts: dict[int, list] = {}  # id(output) -> [count, weak reference, graph, piece]
+        self._forgiven = False
+
+    def forgive(self) -> None:
+        """The next :meth:`kept` reports nothing (a call raised: its traceback, wherever the
+        caller keeps it, holds the frames that held outputs)."""
+        self._forgiven = True
+
+    def watch(self, idents, outputs: dict, graph_id: str, piece: str) -> None:
+        """Follow ``outputs[i]`` for each ``i`` in ``idents`` (tensors of ``graph_id``'s
+        ``piece``, just captured). Call it where nothing but fxsplit's own structures holds
+        them: no local variable of the capture may still refer to them."""
+        for ident in idents:
+            out = outputs[ident]
+            self._counts[ident] = [_references(out), weakref.ref(out), graph_id, piece]
+
+    def forget(self, idents) -> None:
+        """Stop following the outputs of these ``id()``\\s (their graph is dropped)."""
+        for ident in idents:
+            self._counts.pop(ident, None)
+
+    @contextlib.contextmanager
+    def structural(self):
+        """A block in which fxsplit adds or drops its own references (a capture, a dropped
+        graph): what changes there is not the model's."""
+        counts = self._counts
+        before = {ident: _references(entry[1]()) for ident, entry in counts.items()}
+        try:
+            yield
+        finally:
+            for ident, n in before.items():
+                entry = counts.get(ident)
+                if entry is not None:
+                    entry[0] += _references(entry[1]()) - n
+
+    def kept(self) -> list[tuple[str, str]]:
+        """``(graph, piece)`` of each output the model gained a reference to since the last
+        call (reported once per new reference); forgets outputs that are gone."""
+        found = []
+        forgiven, self._forgiven = self._forgiven, False
+        for ident, entry in list(self._counts.items()):
+            out = entry[1]()
+            if out is None:
+                del self._counts[ident]
+                continue
+            n = _references(out)
+            del out
+            if n > entry[0] and not forgiven:
+                found.append((entry[2], entry[3]))
+            entry[0] = n
+        return found
+
+
+def _references(out: torch.Tensor | None) -> int:
+    if out is None:
+        return 0
+    return sys.getrefcount(out) + out._use_count() + _USE_COUNT(out.untyped_storage()._cdata)
