@@ -252,7 +252,11 @@ class Backend:
                     torch._dynamo.maybe_mark_dynamic(arg, 0)
         session = self._session
         with session(), torch.no_grad():
-            progress = sizes if tqdm is None else tqdm(sizes, desc="fxsplit capture", unit="size")
+            progress = (
+                sizes
+                if tqdm is None  # shown where a terminal watches, never in logs or pipes
+                else tqdm(sizes, desc="fxsplit capture", unit="size", disable=None, file=sys.stderr)
+            )
             session.up_front = True
             try:
                 for size in progress:

@@ -247,6 +247,13 @@ def test_explain_leaves_nothing_in_dynamo_caches():
     assert len(graphs) == 2
 
 
+def test_capture_up_front_shows_no_progress_bar_in_a_pipe(capsys):
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
+    compiled = torch.compile(lambda x: x.cos() + 1, backend=backend)
+    backend.capture(compiled, {size: (torch.randn(size, 3),) for size in (2, 4)})
+    assert "fxsplit capture" not in capsys.readouterr().err  # stderr is no terminal here
+
+
 def test_capture_up_front_runs_without_tqdm(monkeypatch):
     """A bare GPU box has torch, pytest and numpy only: ``Backend.capture`` goes without its
     progress bar there and still captures every size, each then replayed."""

@@ -263,6 +263,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.tp < 1:
             print(f"fxsplit demo: error: --tp {args.tp}: needs N >= 1", file=sys.stderr)
             return 2
+        if args.model is not None:
+            print(
+                f"fxsplit demo: error: --tp runs the DeepSeek-V4 reference model only; drop "
+                f"--model {args.model} (or --tp)",
+                file=sys.stderr,
+            )
+            return 2
         from fxsplit.tools import tp_demo
 
         return tp_demo.run(args.tp)
