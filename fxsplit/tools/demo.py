@@ -211,7 +211,9 @@ def _compile_summary(console: Console, records: list) -> None:
     from fxsplit.passes import inductor
 
     if records:
-        console.print(f"compiled pieces: {inductor.summary(records)}", highlight=False)
+        console.print(
+            f"compiled pieces: {inductor.summary(records)}", highlight=False, soft_wrap=True
+        )
 
 
 def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
