@@ -170,10 +170,11 @@ class Backend:
         self.plans.append(plan)
         self.compiled.append(result)
         log.info(
-            "%s: %d nodes -> %d pieces (%d captured, %d eager) in %.1f ms",
+            "%s: %d nodes -> %d %s (%d captured, %d eager) in %.1f ms",
             plan.graph_id,
             plan.num_nodes,
             len(plan.pieces),
+            "piece" if len(plan.pieces) == 1 else "pieces",
             len(plan.captured),
             len(plan.eager),
             plan.split_seconds * 1e3,

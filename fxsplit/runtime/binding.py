@@ -126,8 +126,8 @@ def moved_error(where: str, name: str, source: str, now: int, was: int, reads: s
     return BindingError(
         f"{where}: input {name!r} from {source} is at 0x{now:x}, but {reads} 0x{was:x}; with "
         "input_binding='strict' a runner must hand the same tensor every step (use persistent "
-        "buffers, or input_binding='copy'). Checked with capture off too, so a CPU run fails "
-        "where a GPU run would."
+        "buffers, or input_binding='copy'). Checked in every capture mode, so a runner bug fails "
+        "on the CPU as it would on a GPU."
     )
 
 
