@@ -1053,3 +1053,23 @@ def test_weights_reloaded_every_other_step_warn_of_a_recapture_storm():
         ("test_runtime.py", "assert torch.equal(model(_x(2, i)), ref(_x(2, i))), i")
     ]
     assert "moved" in str(seen[0].message)
+
+
+def test_stats_keys_read_as_sizes_and_typed_host_values():
+    """``Backend.stats`` (and the dump's runtime.json) names a capture key by its token count
+    and host values with their types, not by Python's repr of a tuple of classes."""
+
+    def f(x, n: int):
+        h = x.sin() * n
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        return h + 1
+
+    backend = fxsplit.Backend(capture="emulate")
+    model = torch.compile(f, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(4, 8), 3)
+    keys = {key for pieces in backend.stats.values() for p in pieces.values() for key in p}
+    assert "4, 8, int 3" in keys, keys  # the sizes of x, then n
+    assert not any("class" in key for key in keys), keys

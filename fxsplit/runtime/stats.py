@@ -40,8 +40,24 @@ class PieceStats:
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """``{str(key): {counter: value}}`` as plain dicts (``"uncaptured"`` for key None), and
-        ``{"refused": {reason: calls}}`` when a call ran uncaptured for a reason."""
-        out = {("uncaptured" if k is None else str(k)): dict(v) for k, v in self.per_key.items()}
+        ``{"refused": {reason: calls}}`` when a call ran uncaptured for a reason. Keys read as
+        :func:`key_text` writes them."""
+        out = {
+            ("uncaptured" if k is None else key_text(k)): dict(v) for k, v in self.per_key.items()
+        }
         if self.refusals:
             out["refused"] = dict(self.refusals)
         return out
+
+
+def key_text(key: tuple) -> str:
+    """A capture key as text: ``"4, (4, 8), float 2.0, bool True"``: a size or a shape as is,
+    a host value with its type (so ``1``, ``1.0`` and ``True`` stay three keys)."""
+    parts = []
+    for part in key:
+        if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
+            cls, value = part
+            parts.append(f"{cls.__name__} {value}")
+        else:
+            parts.append(str(tuple(part)) if isinstance(part, tuple) else str(part))
+    return ", ".join(parts)
