@@ -11,7 +11,11 @@ that replays happened.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -437,3 +441,38 @@ def test_an_eager_op_that_keeps_nothing_is_never_warned_about():
             model(_x(step))
             STASHED.clear()  # the op's kernel lets go within the call's step
     assert counters.snapshot()["replays"] > 0
+
+
+def test_a_kept_captured_output_never_reads_freed_memory_once_the_backend_is_gone():
+    """An eager op keeps piece_0's output (warned); the model and its backend are then dropped.
+    The kept tensor is still the model's: reading it must give its last values, never memory
+    the emulated pool has freed (a subprocess: the read crashes the interpreter)."""
+    code = textwrap.dedent(
+        """
+        import gc, warnings
+        import torch
+        import fxsplit
+        from tests.test_output_lifetime import STASHED, _Stashing, _x
+
+        warnings.simplefilter("ignore")
+        backend = fxsplit.Backend(
+            capture="emulate", splitting_ops=["fxsplit_lifetime::stash_softmax"]
+        )
+        model = torch.compile(_Stashing(), backend=backend, dynamic=True)
+        with torch.no_grad():
+            for step in range(5):
+                model(_x(step))
+        assert fxsplit.counters.snapshot()["replays"] > 0
+        kept = STASHED[-1]
+        want = kept.clone()
+        del STASHED[:], model, backend
+        torch._dynamo.reset()
+        gc.collect()
+        filler = [torch.full((1 << 18,), 7.0) for _ in range(40)]
+        assert torch.equal(kept, want), (kept, want)
+        print("ok")
+        """
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-2000:])
