@@ -476,3 +476,21 @@ def test_a_kept_captured_output_never_reads_freed_memory_once_the_backend_is_gon
     root = str(Path(__file__).resolve().parent.parent)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert done.returncode == 0 and "ok" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_call_that_fails_to_compile_and_is_caught_warns_nothing_afterwards():
+    """A serving loop rejects one malformed request: the call raises while Dynamo traces it
+    (a width the weights refuse), the caller catches it and carries on. Nothing kept any
+    output; the following steps must not warn (here they did: the references counted through
+    ``sys.getrefcount`` in nested calls changed by one after the failed compile)."""
+    model, _ = _compile(Net())
+    with torch.no_grad():
+        for step in range(4):
+            model(_x(step))
+        with pytest.raises(Exception):  # noqa: B017 (Dynamo's wrapper of torch's RuntimeError)
+            model(_x(4)[:, :3])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for step in range(5, 8):
+                model(_x(step))
+    assert counters.snapshot()["replays"] > 0
