@@ -38,6 +38,11 @@ _LARGE_SEGMENT = 20 << 20
 _LARGE_ROUND = 2 << 20  # large segments beyond _LARGE_SEGMENT are rounded to this
 
 
+# Segments of dropped pools that the model still holds tensors over, with weak references to
+# those tensors' storages; released when a new pool is made and they are all gone.
+_OUTLIVING: list[tuple[list, list[StorageWeakRef]]] = []
+
+
 @dataclass(eq=False)
 class _Segment:
     memory: torch.Tensor  # uint8, owns the bytes
@@ -78,6 +83,7 @@ class EmulatedPool:
     """
 
     def __init__(self, device: torch.device | str = "cpu"):
+        _OUTLIVING[:] = [(s, refs) for s, refs in _OUTLIVING if not all(r.expired() for r in refs)]
         self.device = torch.device(device)
         self.segments: list[_Segment] = []
         self._allocated: set[Block] = set()
@@ -149,6 +155,16 @@ class EmulatedPool:
         """Free the capture's blocks that died (its scratch); the rest stay allocated."""
         self._reclaim(self._recent)
         self._recent = []
+
+    def outlive(self, held=()) -> None:
+        """The pool is going: if the model still holds a tensor over its memory (a block's
+        program storage, or a storage among ``held``, weak references), its segments stay
+        alive until every one of them is gone, as a CUDA tensor keeps its block. Nothing is
+        copied: this runs inside garbage collection, where storages may be half torn down."""
+        live = [b.ref for b in self._allocated if b.ref is not None and not b.ref.expired()]
+        live += [ref for ref in held if not ref.expired()]
+        if live:
+            _OUTLIVING.append((self.segments, live))
 
     @property
     def allocated_bytes(self) -> int:

@@ -114,6 +114,10 @@ class OutputLedger:
                 self._high = order
         return view_over(storage, value)
 
+    def live_refs(self) -> list[StorageWeakRef]:
+        """Weak references to the storages of every hand-out still followed."""
+        return [handed.ref for handed in self._live.values()]
+
     def handed_out(self, tensor: torch.Tensor) -> _HandOut | None:
         """The live hand-out ``tensor`` is (or is a view of), else None."""
         found = self._live.get(tensor.untyped_storage()._cdata)
@@ -239,7 +243,8 @@ class OutputReferences:
         them: no local variable of the capture may still refer to them."""
         for ident in idents:
             out = outputs[ident]
-            self._counts[ident] = [_references(out), weakref.ref(out), graph_id, piece]
+            n = sys.getrefcount(out) + out._use_count() + _USE_COUNT(out.untyped_storage()._cdata)
+            self._counts[ident] = [n, weakref.ref(out), graph_id, piece]
 
     def forget(self, idents) -> None:
         """Stop following the outputs of these ``id()``\\s (their graph is dropped)."""
@@ -251,34 +256,38 @@ class OutputReferences:
         """A block in which fxsplit adds or drops its own references (a capture, a dropped
         graph): what changes there is not the model's."""
         counts = self._counts
-        before = {ident: _references(entry[1]()) for ident, entry in counts.items()}
+        before = self._now()
         try:
             yield
         finally:
-            for ident, n in before.items():
-                entry = counts.get(ident)
-                if entry is not None:
-                    entry[0] += _references(entry[1]()) - n
+            for ident, n in self._now().items():
+                if ident in before:
+                    counts[ident][0] += n - before[ident]
 
     def kept(self) -> list[tuple[str, str]]:
         """``(graph, piece)`` of each output the model gained a reference to since the last
         call (reported once per new reference); forgets outputs that are gone."""
         found = []
         forgiven, self._forgiven = self._forgiven, False
-        for ident, entry in list(self._counts.items()):
-            out = entry[1]()
-            if out is None:
-                del self._counts[ident]
-                continue
-            n = _references(out)
-            del out
+        counts = self._counts
+        for ident, n in self._now().items():
+            entry = counts[ident]
             if n > entry[0] and not forgiven:
                 found.append((entry[2], entry[3]))
             entry[0] = n
         return found
 
-
-def _references(out: torch.Tensor | None) -> int:
-    if out is None:
-        return 0
-    return sys.getrefcount(out) + out._use_count() + _USE_COUNT(out.untyped_storage()._cdata)
+    def _now(self) -> dict[int, int]:
+        """Each live output's count now (forgetting the dead). Counted in this frame, never
+        through a Python call: an argument's reference count depends on how the interpreter
+        calls (it reads one more after Dynamo failed to compile a frame)."""
+        now = {}
+        for ident, entry in list(self._counts.items()):
+            out = entry[1]()
+            if out is None:
+                del self._counts[ident]
+                continue
+            now[ident] = (
+                sys.getrefcount(out) + out._use_count() + _USE_COUNT(out.untyped_storage()._cdata)
+            )
+        return now

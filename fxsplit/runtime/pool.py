@@ -57,6 +57,12 @@ class MemoryPool:
         self.step = 0
         self._order = 0
 
+    def __del__(self):
+        # The emulator's segments would go with this pool: what the model still holds over
+        # them (an output it kept, handed out or not) keeps them alive.
+        if getattr(self, "emulated", None) is not None:
+            self.emulated.outlive(self.ledger.live_refs())
+
     def new_graph(self, generators=()):
         """A fresh graph that captures into this pool (``generators``: the CUDA generators other
         than the default one that it draws from)."""
