@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,3 +270,18 @@ def test_capture_up_front_runs_without_tqdm(monkeypatch):
         for (x,) in inputs.values():
             assert torch.equal(compiled(x), x.sin() * 2 + 1)
     assert fxsplit.counters.snapshot()["replays"] - before == 3
+
+
+def test_readme_first_run_script_runs_and_replays():
+    """The README's "A first run" script, run as a user would (a fresh process)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## A first run", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'captures': 2, 'replays': 4" in done.stdout, done.stdout
