@@ -453,6 +453,13 @@ def test_cli_diff_deepseek_v4_moves_attn_prep(capsys, monkeypatch):
     assert re.search(r"│ \w+\s*│ attn_prep\s*│ eager \(piece_1\)\s*│ captured \(piece_0\)", out)
 
 
+def test_cli_diff_without_runners_compares_v1_and_v2(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["diff", "tests.test_dump:tiny_factory", "--summary"]) == 0
+    out = capsys.readouterr().out
+    assert "A (runner v1)" in out and "B (runner v2)" in out
+
+
 def test_cli_diff_tiny_summary(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     argv = ["diff", "tests.test_dump:tiny_factory", "--runner", "v1", "--runner", "v2"]

@@ -144,7 +144,7 @@ def _dump(args) -> int:
 def _diff(args) -> int:
     from fxsplit.tools.diff import diff_splits, print_diff
 
-    runners = args.runner or []
+    runners = args.runner or ["v1", "v2"]
     if len(runners) != 2:
         raise UsageError(f"diff takes --runner exactly twice (A and B), got {len(runners)}")
     factory = _load_factory(args.factory)
@@ -229,19 +229,23 @@ def main(argv: list[str] | None = None) -> int:
         help="run one Hugging Face architecture instead (tiny config, prefill + decode), e.g. "
         "Qwen2MoeForCausalLM",
     )
-    factory_help = "MODULE:FACTORY; FACTORY() returns (model, example_inputs)"
+    factory_help = "a module and a function in it that returns (model, example_inputs)"
     options_help = 'fxsplit options as a JSON object, e.g. \'{"splitting_ops": ["aten::topk"]}\''
     dump_help = "plan a model without capturing, print the plan, write one dump folder per graph"
     dump = commands.add_parser("dump", help=dump_help, description=dump_help)
     dump.add_argument("factory", metavar="MODULE:FACTORY", help=factory_help)
-    dump.add_argument("--runner", default=None, help="runner name (default: options' or v1)")
+    dump.add_argument(
+        "--runner", default=None, help="runner name (default: the one in --options, else v1)"
+    )
     dump.add_argument("--options", default=None, help=options_help)
     dump.add_argument("--out", default="fxsplit_dump", help="dump root (default: fxsplit_dump)")
     diff_help = "plan a model under two runners and show what moved between eager and captured"
     diff = commands.add_parser("diff", help=diff_help, description=diff_help)
     diff.add_argument("factory", metavar="MODULE:FACTORY", help=factory_help)
     diff.add_argument(
-        "--runner", action="append", help="runner of plan A, then of plan B (give it twice)"
+        "--runner",
+        action="append",
+        help="runner of plan A, then of plan B (give it twice; default: v1, then v2)",
     )
     diff.add_argument("--options", default=None, help=options_help + " (both plans)")
     diff.add_argument(
@@ -254,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         description="show or clear the cache of compiled pieces (folder: --cache-dir, else "
         "$FXSPLIT_CACHE_DIR, else fxsplit under $XDG_CACHE_HOME or ~/.cache)",
     )
-    cache_parser.add_argument("action", choices=("info", "clear"))
+    cache_parser.add_argument(
+        "action",
+        choices=("info", "clear"),
+        help="info: count the compiled pieces and failure markers, and their size; clear: "
+        "delete them",
+    )
     cache_parser.add_argument("--cache-dir", default=None, help="the cache folder")
     args = parser.parse_args(argv)
     if args.command == "cache":
