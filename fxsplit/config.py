@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -97,9 +98,11 @@ class Config:
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(k for k in options if k not in valid)
         if unknown:
+            close = [m for k in unknown for m in difflib.get_close_matches(k, valid, n=1)]
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
             raise ValueError(
                 f"unknown fxsplit option {', '.join(map(repr, unknown))}; "
-                f"valid options: {', '.join(valid)}"
+                f"valid options: {', '.join(valid)}{hint}"
             )
         values = {} if base is None else {k: getattr(base, k) for k in valid}
         for key, value in options.items():

@@ -81,7 +81,9 @@ def test_unknown_option_key_lists_every_valid_key():
         fxsplit.Backend(runer="v2")
     message = str(info.value)
     assert message.startswith("unknown fxsplit option 'runer'; valid options: ")
-    assert message.split("valid options: ")[1].split(", ") == VALID_KEYS
+    valid, _, hint = message.split("valid options: ")[1].partition("; ")
+    assert valid.split(", ") == VALID_KEYS
+    assert hint == "did you mean 'runner'?"
 
 
 def test_several_unknown_keys_are_all_named():
