@@ -494,3 +494,36 @@ def test_a_call_that_fails_to_compile_and_is_caught_warns_nothing_afterwards():
             for step in range(5, 8):
                 model(_x(step))
     assert counters.snapshot()["replays"] > 0
+
+
+class _StashingInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(D, D)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        return self.a(torch.ops.fxsplit_lifetime.stash_softmax(x)).tanh() + x
+
+
+def test_an_output_handed_back_in_and_kept_by_an_eager_op_keeps_its_values():
+    """``x = model(x)``: the step reads a private copy of the output handed back in, and an
+    eager op keeps what it was handed. After the step the caller's tensor takes memory of its
+    own, and the copy must keep its own too (before: it took the pool memory the caller's
+    tensor left, and the next replay overwrote what the op kept, silently)."""
+    with torch.no_grad():
+        STASHED.clear()
+        reference, x = _StashingInput(), _x(0)
+        for _ in range(6):
+            x = reference(x)
+        want = [t.clone() for t in STASHED]
+        STASHED.clear()
+        model, _ = _compile(_StashingInput(), splitting_ops=["fxsplit_lifetime::stash_softmax"])
+        x = _x(0)
+        for _ in range(6):
+            x = model(x)
+    got, STASHED[:] = list(STASHED), []
+    assert counters.snapshot()["replays"] > 0
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), (step, (g - w).abs().max().item())

@@ -674,17 +674,18 @@ def _generators(nodes) -> tuple:
 
 def _hand_back(out: tuple, handed: list) -> tuple:
     """After a step that read private copies of earlier outputs handed back in: each handed-in
-    tensor takes its copy's memory, holding the model's writes to it as eager would leave them
-    (its storage swaps data pointers with the copy's, so every view of it follows, and the pool
-    memory it lived in is no longer the caller's); outputs over a copy become the same views of
-    the handed-in tensor, as eager returns them."""
+    tensor takes memory of its own holding the model's writes to it as eager would leave them
+    (its storage swaps data pointers with a clone of the copy's, so every view of it follows,
+    and the pool memory it lived in is no longer the caller's); the copy keeps its own memory
+    (an op may have kept it, as eager's would keep the handed-in tensor); outputs over a copy
+    become the same views of the handed-in tensor, as eager returns them."""
     swapped: dict[int, torch.UntypedStorage] = {}
     for _, original, copy in handed:
         theirs, mine = original.untyped_storage(), copy.untyped_storage()
         if mine._cdata in swapped:
             continue
         try:
-            theirs._swap_data_ptr_(mine)
+            theirs._swap_data_ptr_(mine.clone())
         except (RuntimeError, AttributeError):  # a torch without it: copy the values back
             theirs.copy_(mine)
         swapped[mine._cdata] = theirs
