@@ -178,3 +178,13 @@ def test_tp_table_at_80_columns_cuts_no_word():
     assert max(len(line) for line in text.splitlines()) <= 80
     assert not cut_words(console) and "…" not in text
     assert "2.4e-07" in text and "(default)" in text  # v2, DeepSeek-V4's default runner
+
+
+def test_tp_demo_names_an_error_every_rank_raised_once(monkeypatch, capsys):
+    from fxsplit.tools import tp_demo
+
+    message = "ValueError: tensor-parallel size 3 does not divide num_heads (4)"
+    monkeypatch.setattr(tp_demo, "spawn", lambda *args, **kwargs: [message] * 3)
+    assert tp_demo.run(3) == 1
+    out = capsys.readouterr().out
+    assert out.count("does not divide") == 1 and "ranks 0, 1, 2: ValueError" in out

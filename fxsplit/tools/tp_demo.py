@@ -196,10 +196,14 @@ def run(world_size: int) -> int:
     except (TimeoutError, RuntimeError) as error:
         console.print(f"[red]tensor-parallel demo failed: {error}[/]")
         return 1
-    errors = [(rank, r) for rank, r in enumerate(results) if isinstance(r, str)]
+    errors: dict[str, list[int]] = {}  # one line per distinct error, naming its ranks
+    for rank, result in enumerate(results):
+        if isinstance(result, str):
+            errors.setdefault(result, []).append(rank)
     if errors:
-        for rank, error in errors:
-            console.print(f"[red]rank {rank}: {error}[/]", highlight=False)
+        for error, ranks in errors.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+            console.print(f"[red]{who}: {error}[/]", highlight=False)
         return 1
     console.print(render(results, world_size))
     ok = all(row["ok"] for row in _rows(results))
