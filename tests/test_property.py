@@ -1282,3 +1282,27 @@ def test_regression_an_overflow_to_nan_in_both_is_equal():
         refuse_once=True,
     )
     run_case(case)
+
+
+def test_regression_a_kept_output_is_warned_after_a_later_pieces_capture_failed():
+    """Found by the CI profile: piece_2's capture is refused (its inputs share storage, one
+    written) after the stash op kept piece_0's output. The refused capture's exception still
+    held references when fxsplit measured its own around the capture, so the keep was counted
+    as fxsplit's and never warned about; the next replay changed the kept value silently."""
+    program = (
+        ("unary", "relu", 0),
+        ("grad", False, (("split", "split", 8), ("inplace", "mul_", 6, 0))),
+        ("stash", 6),
+        ("region", fxsplit.ATTN_PREP, (("unary", "relu", 0),)),
+    )
+    case = Case(
+        program,
+        outputs=(0,),
+        dynamic=False,
+        splitting_ops=("aten::split",),
+        sizes=(1, 2),
+        ints=(0, 0),
+        warmup_runs=0,
+    )
+    backend = run_case(case)
+    assert any("still referenced after the call" in w for w in backend.warned), backend.warned

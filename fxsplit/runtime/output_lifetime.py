@@ -254,15 +254,15 @@ class OutputReferences:
     @contextlib.contextmanager
     def structural(self):
         """A block in which fxsplit adds or drops its own references (a capture, a dropped
-        graph): what changes there is not the model's."""
+        graph): what changes there is not the model's, unless the block raises."""
         counts = self._counts
         before = self._now()
-        try:
-            yield
-        finally:
-            for ident, n in self._now().items():
-                if ident in before:
-                    counts[ident][0] += n - before[ident]
+        # a block that raises changed nothing of fxsplit's (a failed capture leaves nothing
+        # behind), while the exception's frames still hold what the call was handed
+        yield
+        for ident, n in self._now().items():
+            if ident in before:
+                counts[ident][0] += n - before[ident]
 
     def kept(self) -> list[tuple[str, str]]:
         """``(graph, piece)`` of each output the model gained a reference to since the last
