@@ -940,20 +940,15 @@ def _run_case(case: Case) -> fxsplit.Backend:
     assert not unexpected, f"pieces ran uncaptured for unexpected reasons: {unexpected}"
     if case.capture == "emulate" and any(plan.captured for plan in backend.plans):
         # a piece holding an op capture rejects, or one the analysis cannot follow, never
-        # replays: exempt when every captured piece is such a piece
-        refused = {
-            (graph, piece)
-            for graph, pieces in backend.stats.items()
-            for piece, keys in pieces.items()
+        # replays: exempt when nothing captured and such a refusal says why
+        refused = [
+            reason
+            for pieces in backend.stats.values()
+            for keys in pieces.values()
             for reason in keys.get("refused", {})
             if "refused once (property test)" not in reason
-        }
-        never = all(
-            (runtime.graph_id, piece.name) in refused
-            for runtime in backend.runtimes
-            for piece in runtime.pieces
-        )
-        if not never:
+        ]
+        if not (refused and counters.snapshot()["captures"] == 0):
             assert counters.snapshot()["replays"] > 0, "captured pieces, but nothing replayed"
     return backend
 
@@ -1306,3 +1301,12 @@ def test_regression_a_kept_output_is_warned_after_a_later_pieces_capture_failed(
     )
     backend = run_case(case)
     assert any("still referenced after the call" in w for w in backend.warned), backend.warned
+
+
+def test_regression_a_piece_capture_rejects_at_the_only_capture_size_replays_nothing():
+    """Found by the long profile: a harness bug, not fxsplit's. The only captured piece holds
+    an op capture rejects, and the other size is no capture size: nothing captures, which the
+    refusal explains; the numbers are eager's."""
+    options = {"capture_sizes": (1,), "on_capture_error": "raise"}
+    case = Case((("noisy", 0),), outputs=(0,), dynamic=False, sizes=(1, 2), ints=(0, 0))
+    run_case(dataclasses.replace(case, warmup_runs=0, options=options))
