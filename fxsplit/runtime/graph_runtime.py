@@ -25,6 +25,7 @@ from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError, new_own_buffer
 from fxsplit.runtime.captured import buffer_key as captured_buffer_key
+from fxsplit.runtime.output_lifetime import can_swap, poison
 from fxsplit.runtime.pool import MemoryPool
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import clone_sharing, storage_ptr, view_over
@@ -410,7 +411,7 @@ class GraphRuntime:
         finally:
             session.exit()
             if handed:  # also when the model raised: the caller's tensors leave the pool
-                out = _hand_back(out, handed)
+                out = _hand_back(out, handed, self.graph_id)
                 session.forget_taken(handed)
         if pool is not None:
             out = self._hand_out(out, pool)
@@ -454,7 +455,7 @@ class GraphRuntime:
         if not mine:
             return out
         result = list(out)
-        if self.clone_outputs:
+        if self.clone_outputs or not pool.ledger.can_invalidate:
             for j, copy in zip(mine, clone_sharing([out[j] for j in mine]), strict=True):
                 result[j] = copy
             return tuple(result)
@@ -672,7 +673,7 @@ def _generators(nodes) -> tuple:
     return tuple(found.values())
 
 
-def _hand_back(out: tuple, handed: list) -> tuple:
+def _hand_back(out: tuple, handed: list, graph_id: str) -> tuple:
     """After a step that read private copies of earlier outputs handed back in: each handed-in
     tensor takes memory of its own holding the model's writes to it as eager would leave them
     (its storage swaps data pointers with a clone of the copy's, so every view of it follows,
@@ -684,10 +685,10 @@ def _hand_back(out: tuple, handed: list) -> tuple:
         theirs, mine = original.untyped_storage(), copy.untyped_storage()
         if mine._cdata in swapped:
             continue
-        try:
+        if can_swap():
             theirs._swap_data_ptr_(mine.clone())
-        except (RuntimeError, AttributeError):  # a torch without it: copy the values back
-            theirs.copy_(mine)
+        else:  # torch 2.11: it stays in the pool's memory, which this step's outputs reuse
+            poison(original, graph_id)
         swapped[mine._cdata] = theirs
     return tuple(
         view_over(swapped[o.untyped_storage()._cdata], o)

@@ -20,7 +20,8 @@ Before a replay that may overwrite a handed-out output still referenced anywhere
   (``UntypedStorage._swap_data_ptr_``): the number stays right. The emulator raises where it
   can see the read: an invalidated output handed to any compiled graph of the backend raises
   :class:`StaleOutputError` (as reading it on CUDA would), and an invalidated output still held a
-  step after it was overwritten is warned about once.
+  step after it was overwritten is warned about once. A torch without ``_swap_data_ptr_``
+  (2.11) invalidates as CUDA does where it has the error message hook, else hands out clones.
 
 Outputs whose storage dies are simply forgotten: a caller that drops what it does not keep pays
 nothing.
@@ -45,12 +46,24 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxsplit.runtime.storage import view_over
 
-__all__ = ["OutputLedger", "OutputReferences", "StaleOutputError"]
+__all__ = ["OutputLedger", "OutputReferences", "StaleOutputError", "can_swap", "poison"]
 
 log = logging.getLogger("fxsplit")
 
 _POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+# torch 2.11 lacks it: there the emulator invalidates as CUDA does (a read raises)
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 _USE_COUNT = torch._C._storage_Use_Count  # tensors (and storage objects) over one storage
+
+
+def can_swap() -> bool:
+    """Whether this torch can move a storage to other memory (``_swap_data_ptr_``)."""
+    return _CAN_SWAP
+
+
+def poison(tensor: torch.Tensor, graph_id: str) -> None:
+    """Make every read of ``tensor``'s storage raise :func:`stale_message` (``graph_id``)."""
+    _POISON(tensor.untyped_storage()._cdata, stale_message(graph_id))
 
 
 class StaleOutputError(RuntimeError):
@@ -89,7 +102,8 @@ class OutputLedger:
     """
 
     def __init__(self, poison: bool):
-        self.poison = poison and _POISON is not None
+        self.poison = (poison or not _CAN_SWAP) and _POISON is not None
+        self.can_invalidate = self.poison or _CAN_SWAP  # else outputs are handed out as clones
         self._live: dict[int, _HandOut] = {}  # storage cdata -> hand-out
         self._high = -1  # highest capture order among live hand-outs (a bound)
         self._stale: dict[int, tuple[StorageWeakRef, str, int]] = {}
