@@ -29,7 +29,7 @@ nothing.
 A captured piece's output that only eager pieces of the same graph read is handed to them as the
 pool's own tensor (a fresh storage per call would cost every step of every layer). An op there
 that keeps a reference past the call (a custom op or a hook storing its argument) would see the
-next replay's values. :class:`OutputReferences` finds that kind from the storages' reference
+next replay's values. :class:`OutputReferences` finds that kind from the outputs' reference
 counts at each step's start, and fxsplit warns before the replay that overwrites it.
 """
 
