@@ -387,13 +387,8 @@ def _(q):
     return torch.empty_like(q)
 
 
-class _Stashing(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(D, D)
-        self.b = nn.Linear(D, D)
-        self.requires_grad_(False)
+class _Stashing(Net):
+    """Net with the stashing op, an eager splitting op, in place of its eager region."""
 
     def forward(self, x):
         h = self.a(x).relu()
