@@ -32,7 +32,7 @@ except ImportError:  # older torch keeps it in aot_compile, or has no precompile
     except ImportError:
         SerializableCallable = object
 
-FORMAT = 1
+FORMAT = 2
 # Node meta fxsplit reads after the split: example values, region annotations, module stacks,
 # unbacked-symbol bindings, the stack trace (dumps). Dynamo's GraphArg is kept as _Arg.
 _META = ("example_value", "val", "custom", "nn_module_stack", "unbacked_bindings", "stack_trace")
@@ -70,6 +70,9 @@ class State:
             (:func:`fxsplit.passes.piece_key.identity`).
         versions: torch and fxsplit versions it was compiled with.
         grad: grad mode when it was compiled (Dynamo's guards hold it to that mode).
+        dynamic: traced under ``torch.compile(dynamic=True)`` (Dynamo's
+            ``assume_static_by_default`` off), which decides which sizes are step sizes
+            (:mod:`fxsplit.passes.step_sizes`): loading runs outside any trace.
     """
 
     graph: bytes
@@ -78,6 +81,7 @@ class State:
     pieces: dict[str, bytes] = field(default_factory=dict)
     versions: tuple[str, str] = ("", "")
     grad: bool = True
+    dynamic: bool = False
 
 
 def restore_graphargs(gm: torch.fx.GraphModule, example_inputs) -> None:
@@ -135,7 +139,10 @@ def capture(gm: torch.fx.GraphModule, config, frame) -> State:
         for node, meta in kept.items():
             node.meta = meta
     versions = (torch.__version__, __version__)
-    return State(graph, config, frame, versions=versions, grad=torch.is_grad_enabled())
+    dynamic = not torch._dynamo.config.assume_static_by_default
+    return State(
+        graph, config, frame, versions=versions, grad=torch.is_grad_enabled(), dynamic=dynamic
+    )
 
 
 def _pickler():
@@ -211,6 +218,10 @@ class Precompiled(SerializableCallable):
             )
         gm = GraphPickler.loads(state.graph, FakeTensorMode(shape_env=ShapeEnv()))
         examples = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
-        with torch.set_grad_enabled(state.grad):
+        static = not state.dynamic
+        with (
+            torch.set_grad_enabled(state.grad),
+            torch._dynamo.config.patch(assume_static_by_default=static),
+        ):
             forward = fxsplit_backend.build(gm, examples, state.config, state.frame, state.pieces)
         return cls(forward, state)

@@ -93,3 +93,20 @@ def test_another_fxsplit_version_is_refused_naming_both(tmp_path, monkeypatch):
     with pytest.raises(precompile.PrecompileError, match=r"this is fxsplit 0\.0\.0-other"):
         precompile.Precompiled.deserialize_compile_artifacts(data)
     assert pickle.loads(data)[0] == precompile.FORMAT
+
+
+def test_a_precompiled_graph_traced_dynamic_splits_as_traced(tmp_path):
+    """Under ``dynamic=True`` every argument's size is symbolic and only the carried state's
+    count as step sizes; loading (outside any trace) must split as the trace did: the block
+    table's width is no step size there."""
+    from fxsplit.models import deepseek_v4
+
+    config = deepseek_v4.DeepseekV4Config(num_layers=1)
+    model = deepseek_v4.build(config)
+    inputs = deepseek_v4.DecodeRunner(config, 4, persistent=True).step(4)
+    aot = _aot(model, tuple(inputs), tmp_path, compile_pieces="eager", runner="v2")
+    traced = fxsplit.plans()[-1].pieces
+    assert not any(r.startswith("dynamic:") for p in traced for r in p.reasons)
+    data = precompile.Precompiled.serialize_compile_artifacts(aot._artifacts.compiled_fn)
+    precompile.Precompiled.deserialize_compile_artifacts(data)
+    assert fxsplit.plans()[-1].pieces == traced
