@@ -96,6 +96,7 @@ def child(variant: str, layers: int, cache_dir: str, phases: bool = False) -> di
     import torch
 
     import fxsplit
+    import fxsplit.backend
     from fxsplit.models import deepseek_v4
 
     timed = _time_phases() if phases else {}

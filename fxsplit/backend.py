@@ -104,7 +104,8 @@ class Backend:
         if not precompile.active():
             return self.build(gm, example_inputs, config, frame)
         precompile.restore_graphargs(gm, example_inputs)
-        state = precompile.capture(gm, config, frame)  # before the split edits the graph
+        cuda = _cuda_device(example_inputs) is not None
+        state = precompile.capture(gm, config, frame, cuda)  # before the split edits the graph
         compiled = self.build(gm, example_inputs, config, frame)
         precompile.add_pieces(
             state, self.compiled[-1].compiled_pieces, cache.cache_dir(config.cache_dir)
@@ -130,6 +131,9 @@ class Backend:
         graph_id = self._next_graph_id()
         graph_code = gm.code if config.dump_folder else ""  # the split edits the graph in place
         policy = _policy(config, frame)
+        cuda = _cuda_device(example_inputs)
+        if inductor.resolve(config.compile_pieces, cuda) == "inductor":
+            inductor.prepare(cuda)
         result = _split(gm, policy, config, graph_id, mode, example_inputs, frame)
         self._compile_pieces(result, config, example_inputs, frame, bundle)
         self._record(result, policy, config)

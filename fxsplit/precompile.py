@@ -73,6 +73,8 @@ class State:
         dynamic: traced under ``torch.compile(dynamic=True)`` (Dynamo's
             ``assume_static_by_default`` off), which decides which sizes are step sizes
             (:mod:`fxsplit.passes.step_sizes`): loading runs outside any trace.
+        cuda: its tensors are on a CUDA/HIP device (else its compiled pieces are C++ kernels
+            for the CPU, whose loading Inductor prepares per process).
     """
 
     graph: bytes
@@ -82,6 +84,7 @@ class State:
     versions: tuple[str, str] = ("", "")
     grad: bool = True
     dynamic: bool = False
+    cuda: bool = False
 
 
 def restore_graphargs(gm: torch.fx.GraphModule, example_inputs) -> None:
@@ -105,8 +108,8 @@ def restore_graphargs(gm: torch.fx.GraphModule, example_inputs) -> None:
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
 
 
-def capture(gm: torch.fx.GraphModule, config, frame) -> State:
-    """The state of a graph before the split edits it.
+def capture(gm: torch.fx.GraphModule, config, frame, cuda: bool) -> State:
+    """The state of a graph before the split edits it (``cuda``: see :class:`State`).
 
     Raises:
         PrecompileError: the graph holds something that does not pickle (a local function or
@@ -209,6 +212,7 @@ class Precompiled(SerializableCallable):
 
         from fxsplit import __version__
         from fxsplit.backend import fxsplit_backend
+        from fxsplit.passes import inductor
 
         found, state = pickle.loads(data)
         if found != FORMAT or state.versions[1] != __version__:
@@ -216,6 +220,8 @@ class Precompiled(SerializableCallable):
                 f"precompiled with fxsplit {state.versions[1]} (format {found}); this is "
                 f"fxsplit {__version__} (format {FORMAT}): precompile again"
             )
+        if state.pieces and not state.cuda:
+            inductor.prepare(None)  # overlaps the unpickling and the split
         gm = GraphPickler.loads(state.graph, FakeTensorMode(shape_env=ShapeEnv()))
         examples = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
         static = not state.dynamic

@@ -414,3 +414,41 @@ def test_a_float_argument_inductor_cannot_take_leaves_its_piece_python(cache_roo
     first, last = backend.compiled[0].compiled_pieces
     assert first.outcome == "eager" and "float argument L['limit'] reaches" in first.reason
     assert last.outcome in ("compiled", "memory", "disk")
+
+
+def _isa_checks_cleared():
+    """Forget Inductor's answers about the CPU's instruction sets (cached per process)."""
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    classes = [cpu_vec_isa.VecISA]
+    for cls in classes:
+        classes += cls.__subclasses__()
+        for method in vars(cls).values():
+            if hasattr(method, "cache_clear"):
+                method.cache_clear()
+
+
+def test_the_background_isa_check_asks_what_inductor_asks_once_each(monkeypatch):
+    from torch._inductor import cpu_vec_isa
+
+    builds = []
+    check_build = cpu_vec_isa.VecISA.check_build
+
+    def counted(self, code):
+        builds.append((str(self), code))
+        return check_build(self, code)
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", counted)
+    _isa_checks_cleared()
+    alone = list(map(str, cpu_vec_isa.valid_vec_isa_list()))
+    asked, builds[:] = sorted(builds), []
+    _isa_checks_cleared()
+    monkeypatch.setattr(inductor, "_ISA_CHECK", None)
+    inductor.prepare(torch.device("cuda"))  # GPU pieces build no CPU kernels
+    assert inductor._ISA_CHECK is None
+    inductor.prepare(None)
+    inductor._isa_checked()
+    assert not inductor._ISA_CHECK.is_alive()
+    assert list(map(str, cpu_vec_isa.valid_vec_isa_list())) == alone
+    assert sorted(builds) == asked

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -49,6 +50,8 @@ _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 # Artifacts compiled or loaded in this process, and why Inductor failed, by cache key.
 _MEMORY: dict[str, object] = {}
 _FAILED: dict[str, str] = {}
+# Inductor's check of the CPU's vector instruction sets, started by prepare().
+_ISA_CHECK: threading.Thread | None = None
 
 
 @dataclass
@@ -126,6 +129,61 @@ def resolve(mode: str, device: torch.device | None) -> str:
     if mode == "auto":
         return "inductor" if device is not None and device.type == "cuda" else "eager"
     return mode
+
+
+def prepare(device: torch.device | None) -> None:
+    """Start Inductor's per-process check of the CPU's vector instruction sets in the
+    background, once per process, where pieces compile or load for the CPU (``device`` None).
+
+    Before its first C++ kernel builds or loads, Inductor checks which instruction sets the
+    compiler may use: per check, a small build (cached on disk) and a child process that loads
+    it, ten checks and about 1.2 s in all on an x86 CPU with AMX, almost all of it waiting on
+    the children. Started before the split, that wait overlaps the split, the piece keys and
+    the import of Inductor's compiler; loads and compiles join it first
+    (:func:`_isa_checked`)."""
+    global _ISA_CHECK
+    if device is not None or _ISA_CHECK is not None:
+        return
+    # what the check imports, imported here: the thread then never waits on the import lock
+    from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+
+    _ISA_CHECK = threading.Thread(target=_check_isa, name="fxsplit-isa-check", daemon=True)
+    _ISA_CHECK.start()
+
+
+def _check_isa() -> None:
+    """Inductor's ``valid_vec_isa_list()``, with the instruction sets the CPU reports checked
+    side by side first: each set's check is a chain of builds and child processes of its own
+    (Inductor caches each set's answer), so on two or more cores the chains overlap; the list
+    is then Inductor's own, from those answers."""
+    from torch._inductor import cpu_vec_isa
+
+    try:
+        reported = cpu_vec_isa.x86_isa_checker()
+        candidates = [
+            isa
+            for isa in cpu_vec_isa.supported_vec_isa_list
+            if all(flag in reported for flag in str(isa).split())
+        ]
+    except Exception:  # another torch, another CPU: Inductor's list alone
+        candidates = []
+    others = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in candidates[1:]]
+    for thread in others:
+        thread.start()
+    if candidates:
+        bool(candidates[0])
+    for thread in others:
+        thread.join()
+    cpu_vec_isa.valid_vec_isa_list()
+
+
+def _isa_checked() -> None:
+    """Wait for :func:`prepare`'s check (Inductor would run it again if asked while it runs),
+    having imported Inductor's compiler meanwhile: loading an artifact needs it."""
+    import torch._inductor.compile_fx  # noqa: F401
+
+    if _ISA_CHECK is not None:
+        _ISA_CHECK.join()
 
 
 def forget() -> None:
@@ -252,6 +310,7 @@ def _from_bundle(bundle, identity: str):
     cannot read it (the piece is then looked up or compiled as usual)."""
     if not bundle or identity not in bundle:
         return None
+    _isa_checked()
     try:
         artifact = cache.load_artifact(bundle[identity])
     except Exception as error:
@@ -273,6 +332,7 @@ def _compile(piece: piece_graph.PieceGraph, found: piece_key.Key, disk, dynamic:
     if failed is not None:
         _FAILED[key] = failed
         return EAGER, 0.0, failed, None, None
+    _isa_checked()
     artifact = disk.load(key) if disk is not None else None
     if artifact is not None:
         _MEMORY[key] = artifact
