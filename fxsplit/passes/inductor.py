@@ -137,44 +137,21 @@ def prepare(device: torch.device | None) -> None:
 
     Before its first C++ kernel builds or loads, Inductor checks which instruction sets the
     compiler may use: per check, a small build (cached on disk) and a child process that loads
-    it, ten checks and about 1.2 s in all on an x86 CPU with AMX, almost all of it waiting on
-    the children. Started before the split, that wait overlaps the split, the piece keys and
-    the import of Inductor's compiler; loads and compiles join it first
-    (:func:`_isa_checked`)."""
+    it, ten checks and about 1 s in all on an x86 CPU with AMX, spent in the children. Started
+    before the split (before unpickling, for a precompiled graph), the children run beside the
+    split, the piece keys and the import of Inductor's compiler; loads and compiles join it
+    first (:func:`_isa_checked`). Checking the sets side by side was measured too: on two cores
+    it slows the main thread more than it shortens the check."""
     global _ISA_CHECK
     if device is not None or _ISA_CHECK is not None:
         return
     # what the check imports, imported here: the thread then never waits on the import lock
     from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
 
-    _ISA_CHECK = threading.Thread(target=_check_isa, name="fxsplit-isa-check", daemon=True)
+    _ISA_CHECK = threading.Thread(
+        target=cpu_vec_isa.valid_vec_isa_list, name="fxsplit-isa-check", daemon=True
+    )
     _ISA_CHECK.start()
-
-
-def _check_isa() -> None:
-    """Inductor's ``valid_vec_isa_list()``, with the instruction sets the CPU reports checked
-    side by side first: each set's check is a chain of builds and child processes of its own
-    (Inductor caches each set's answer), so on two or more cores the chains overlap; the list
-    is then Inductor's own, from those answers."""
-    from torch._inductor import cpu_vec_isa
-
-    try:
-        reported = cpu_vec_isa.x86_isa_checker()
-        candidates = [
-            isa
-            for isa in cpu_vec_isa.supported_vec_isa_list
-            if all(flag in reported for flag in str(isa).split())
-        ]
-    except Exception:  # another torch, another CPU: Inductor's list alone
-        candidates = []
-    others = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in candidates[1:]]
-    for thread in others:
-        thread.start()
-    if candidates:
-        bool(candidates[0])
-    for thread in others:
-        thread.join()
-    cpu_vec_isa.valid_vec_isa_list()
 
 
 def _isa_checked() -> None:
