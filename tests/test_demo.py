@@ -61,6 +61,7 @@ def test_demo_at_80_columns_labels_every_plan_and_cuts_no_word(monkeypatch):
     assert "transformers DeepseekV4ForCausalLM prefill, runner v2 (default)" in text
     assert "input copies of all steps, by value: input_ids 1, attn 1, attn_1 1" in text
     assert "other copies: copies of input_ids, attn, attn_1" in text
+    assert [line for line in text.splitlines() if line != line.rstrip()] == []  # no padding
 
 
 def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, capsys):

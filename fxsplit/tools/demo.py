@@ -38,7 +38,7 @@ from rich.table import Table
 import fxsplit
 from fxsplit.models import deepseek_v4, hf_architectures, hf_deepseek_v4
 from fxsplit.plan import SplitPlan
-from fxsplit.tools.dump import plan_table
+from fxsplit.tools.dump import plan_table, titled
 
 STEPS = (4, 4, 3, 4, 5, 3, 2, 4, 6, 4)
 PREFILL_LENGTHS = (5, 8, 13)
@@ -93,11 +93,6 @@ def _plan_title(plan: SplitPlan, when: str) -> str:
         f"{plan.graph_id} ({when}), runner {plan.runner}: {n} piece{'s' if n != 1 else ''} "
         f"({len(plan.captured)} captured, {len(plan.eager)} eager)"
     )
-
-
-def _table(title: str) -> Table:
-    # as wide as its title (up to the terminal's width): a title wraps only where it must
-    return Table(title=title, min_width=len(title))
 
 
 def _counter_columns(table: Table) -> None:
@@ -185,7 +180,8 @@ def _deepseek(console: Console, runner: str, compile_pieces: str) -> bool:
     console.print(f"DeepSeek-V4 reference model, decode, {label}", highlight=False)
     for plan in run.backend.plans:
         console.print(plan_table(plan, _plan_title(plan, f"step {run.compiled_at[plan.graph_id]}")))
-    table = _table(f"DeepSeek-V4 decode, {label}; metadata: {metadata}")
+    title = f"DeepSeek-V4 decode, {label}; metadata: {metadata}"
+    table = Table()
     for column in ("step", "batch", "max diff"):
         table.add_column(column, justify="right")
     _counter_columns(table)
@@ -196,7 +192,7 @@ def _deepseek(console: Console, runner: str, compile_pieces: str) -> bool:
         table.add_row(
             str(step), str(batch), f"{diff:.3g}", *_counter_cells(delta), "yes" if good else "NO"
         )
-    console.print(table)
+    console.print(titled(title, table))
     console.print(_copies_line(run.backend), highlight=False)
     _compile_summary(console, _records(run.backend))
     return ok
@@ -217,7 +213,8 @@ def _compile_summary(console: Console, records: list) -> None:
 
 
 def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
-    table = _table("Runner v1 (fresh metadata each step): why the wide eager region")
+    title = "Runner v1 (fresh metadata each step): why the wide eager region"
+    table = Table()
     for column in ("plan", "eager regions", "equal to eager", "metadata copies", "other copies"):
         table.add_column(column)
     ok = True
@@ -231,7 +228,7 @@ def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
         names = "\n".join(sorted(run.backend.plans[0].eager_regions))
         table.add_row(label, names, "yes" if good else "NO", str(meta), str(copies - meta))
         others.update(dict.fromkeys(n for n in _copied(run.backend) if n not in METADATA))
-    console.print(table)
+    console.print(titled(title, table))
     console.print(f"metadata copies: copies of {', '.join(METADATA)}", highlight=False)
     console.print(f"other copies: copies of {', '.join(others) or 'nothing'}", highlight=False)
     return ok
@@ -240,7 +237,8 @@ def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
 def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
     mode, device = _capture_mode()
     label = _runner_label(runner, DEEPSEEK)
-    table = _table(f"transformers {DEEPSEEK} prefill, {label}")
+    title = f"transformers {DEEPSEEK} prefill, {label}"
+    table = Table()
     table.add_column("seq_len", justify="right")
     table.add_column("captured/eager pieces", justify="right")
     table.add_column("captures, 1st call", justify="right")
@@ -295,7 +293,7 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
         console.print(
             plan_table(plan, _plan_title(plan, f"seq_len {', '.join(map(str, lengths))}"))
         )
-    console.print(table)
+    console.print(titled(title, table))
     _compile_summary(console, records)
     return ok
 
@@ -355,7 +353,8 @@ def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
         for plan in run.plans:
             console.print(plan_table(plan, _plan_title(plan, run.compiled_at[plan.graph_id])))
         prefill = hf_architectures.PREFILL_LEN
-        table = _table(f"{label}: prefill {prefill} tokens, then 1 per decode step")
+        title = f"{label}: prefill {prefill} tokens, then 1 per decode step"
+        table = Table()
         table.add_column("step")
         table.add_column("max diff", justify="right")
         _counter_columns(table)
@@ -364,7 +363,7 @@ def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
             good = _close(diff, device, _compiles(compile_pieces, device))
             ok &= good
             table.add_row(step, f"{diff:.3g}", *_counter_cells(delta), "yes" if good else "NO")
-        console.print(table)
+        console.print(titled(title, table))
     return ok
 
 
