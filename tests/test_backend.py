@@ -285,3 +285,4 @@ def test_readme_first_run_script_runs_and_replays():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "'captures': 2, 'replays': 4" in done.stdout, done.stdout
+    assert "'input_copies': 4," in done.stdout, done.stdout

@@ -104,6 +104,26 @@ def test_demo_decode_with_inductor_pieces_is_within_tolerance(runner, tmp_path, 
     assert not [m for m in warned.messages if "Failed to pickle cache key" in m]
 
 
+def test_compile_summary_names_why_pieces_stayed_python_and_cuts_no_word_at_80_columns():
+    """The summary line of a warm run is longer than 80 columns, and a piece left as generated
+    Python says why (before: only the count, the reason was in the INFO log alone)."""
+    from fxsplit.passes.inductor import DISK, EAGER, MEMORY, CompiledPiece
+
+    reason = "outputs q_nope and q_pe share storage"
+    records = [
+        CompiledPiece(("piece_0",), EAGER, reason=reason),
+        CompiledPiece(("piece_1", "piece_3"), DISK, 0.4),
+        CompiledPiece(("piece_4",), MEMORY, 0.1),
+    ]
+    console = Recording(80)
+    demo._compile_summary(console, records)
+    text = console.text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert not cut_words(console)
+    assert text.startswith("compiled pieces: 3 distinct: 0 compiled, 2 loaded (1 disk, 1 memory)")
+    assert f"  piece_0 left as Python: {reason}\n" in text
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)

@@ -4,8 +4,12 @@ file (nothing compiled on load, even with the piece cache gone)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,3 +114,26 @@ def test_a_precompiled_graph_traced_dynamic_splits_as_traced(tmp_path):
     data = precompile.Precompiled.serialize_compile_artifacts(aot._artifacts.compiled_fn)
     precompile.Precompiled.deserialize_compile_artifacts(data)
     assert fxsplit.plans()[-1].pieces == traced
+
+
+def test_readme_precompile_scripts_save_then_load_in_new_processes(tmp_path):
+    """The README's save.py and load.py, each a fresh process as a user runs them; the load
+    finds no piece cache, so its pieces can only come from the saved file."""
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    section = readme.split("Precompiling the DeepSeek-V4 reference model", 1)[1]
+    save, load = (block.split("```", 1)[0] for block in section.split("```python\n")[1:3])
+    assert save.startswith("# save.py") and load.startswith("# load.py")
+    cache = tmp_path / "cache"
+    env = dict(os.environ, FXSPLIT_CACHE_DIR=str(cache), PYTHONPATH=str(root))
+    done = subprocess.run(
+        [sys.executable, "-c", save], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    shutil.rmtree(cache)
+    done = subprocess.run(
+        [sys.executable, "-c", load], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'replays': 4" in done.stdout, done.stdout
+    assert "'pieces_compiled': 0, 'piece_cache_hits': 2" in done.stdout, done.stdout

@@ -203,13 +203,19 @@ def _records(backend: fxsplit.Backend) -> list:
 
 
 def _compile_summary(console: Console, records: list) -> None:
-    """One line: the distinct pieces compiled, loaded or left as Python, and the seconds."""
+    """The distinct pieces compiled, loaded or left as Python, and the seconds; then one line
+    per piece left as Python saying why (the same reason once)."""
     from fxsplit.passes import inductor
 
     if records:
-        console.print(
-            f"compiled pieces: {inductor.summary(records)}", highlight=False, soft_wrap=True
-        )
+        console.print(f"compiled pieces: {inductor.summary(records)}", highlight=False)
+    why = (
+        f"  {', '.join(r.pieces)} left as Python: {r.reason}"
+        for r in records
+        if r.outcome == inductor.EAGER
+    )
+    for line in dict.fromkeys(why):
+        console.print(line, highlight=False)
 
 
 def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
