@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fxsplit.runtime.emulated_pool import EmulatedPool
-from fxsplit.runtime.emulator import CaptureError, EmulatedGraph
+from fxsplit.runtime.emulator import CaptureError, EmulatedGraph, call_opaque
 
 
 @torch.library.custom_op("fxsplit_emutest::scale_into", mutates_args=("out",))
@@ -74,6 +74,26 @@ def test_output_identity_kept_and_overwritten_by_next_replay():
     assert first is out and out.data_ptr() == ptr
     torch.testing.assert_close(first, torch.full((3,), 11.0))
     assert not torch.equal(first, snapshot)
+
+
+def test_results_of_one_opaque_call_that_view_one_another_still_do():
+    """A unit recorded whole (a compiled piece) returning a tensor and views of it: moved into
+    the pool, the views still view it, so a write through one reaches the others."""
+
+    def unit(t):
+        h = t * 2
+        return h, h[1:], h.split([1, 2], dim=-1)[1]
+
+    x = torch.ones(3, 3)
+    g = EmulatedGraph()
+    h, tail, half = g.capture(lambda t: call_opaque(unit, (t,)), x)
+    tail.add_(1.0)
+    half.mul_(10.0)
+    assert h.untyped_storage().data_ptr() == tail.untyped_storage().data_ptr()
+    assert torch.equal(h, torch.tensor([[2.0, 20, 20], [3, 30, 30], [3, 30, 30]]))
+    x.fill_(2.0)
+    g.replay()
+    assert torch.equal(h, torch.full((3, 3), 4.0)) and torch.equal(half, torch.full((3, 2), 4.0))
 
 
 def test_host_scalar_is_frozen_at_capture():

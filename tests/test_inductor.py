@@ -284,33 +284,80 @@ def test_an_artifact_compiled_under_autocast_is_not_reused_without_it(cache_root
     torch.testing.assert_close(out, model(x), **TOLERANCE)
 
 
-def test_outputs_viewing_one_another_stay_generated_python(cache_root):
-    class Sliced(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            torch.manual_seed(0)
-            self.proj = torch.nn.Linear(8, 8)
+class _Halves(torch.nn.Module):
+    """Both halves of a split, and a slice of what they split, leave the first piece (read by
+    an eager region): outputs that share storage."""
 
-        def forward(self, x, n):
-            h = self.proj(x) * n
-            r = h[1:]
-            r.add_(1.0)  # eager (a splitting op): h and its view r both leave the first piece
-            return torch.sin(h) * n
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
 
-    model = Sliced()
+    def forward(self, x, n):
+        h = self.proj(x) * n
+        a, b = h.split([3, 5], dim=-1)
+        r = h[1:]
+        with fxsplit.region(fxsplit.ATTENTION):
+            y = a.sum(-1, keepdim=True) * b + r.mean()
+        return torch.sin(y) * n
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_outputs_viewing_one_another_compile_with_their_views_as_python(cache_root, capture):
+    model = _Halves()
+    backend = fxsplit.Backend(compile_pieces="inductor", cache_dir=str(cache_root), capture=capture)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for batch, n in [(2, 2), (3, 3), (3, 3), (2, 3), (3, 3)]:
+            x = torch.randn(batch, 8)
+            torch.testing.assert_close(compiled(x, n), model(x, n), **TOLERANCE)
+    first = backend.compiled[0].compiled_pieces[0]
+    assert first.outcome != "eager", first.reason
+    assert backend.plans[0].pieces[0].outputs == ("a", "b", "r")
+    if capture == "emulate":
+        assert counters.snapshot()["replays"] > 0
+
+
+class _Sliced(torch.nn.Module):
+    """``h`` and its view ``r`` leave the first piece; an eager op writes through ``r``, and
+    the next piece reads ``h``. With ``inside``, the first piece reads ``r`` too."""
+
+    def __init__(self, inside: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.inside = inside
+
+    def forward(self, x, n):
+        h = self.proj(x) * n
+        r = h[1:]
+        t = r * 2 if self.inside else h
+        r.add_(1.0)  # eager (a splitting op)
+        return torch.sin(h) * n + t.sum()
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_write_through_an_output_view_reaches_its_base(cache_root, inside):
+    """The view tail makes ``r`` a view of the compiled ``h``, so the write reaches ``h``; a
+    view the piece itself reads is no tail: its outputs share storage, it stays Python."""
+    model = _Sliced(inside)
     backend = fxsplit.Backend(
         compile_pieces="inductor",
         splitting_ops=["aten::add_"],
         cache_dir=str(cache_root),
-        capture="off",
+        capture="emulate",
     )
     compiled = torch.compile(model, backend=backend, dynamic=True)
     with torch.no_grad():
-        for batch, n in [(2, 2), (2, 3), (3, 3)]:
+        for batch, n in [(2, 2), (2, 3), (3, 3), (3, 3), (3, 3)]:
             x = torch.randn(batch, 8)
             torch.testing.assert_close(compiled(x, n), model(x, n), **TOLERANCE)
+    assert counters.snapshot()["replays"] > 0
     first = backend.compiled[0].compiled_pieces[0]
-    assert first.outcome == "eager" and "share storage" in first.reason
+    if inside:
+        assert first.outcome == "eager" and "share storage" in first.reason
+    else:
+        assert first.outcome != "eager", first.reason
 
 
 # ------------------------------------------------------------------------------- floats

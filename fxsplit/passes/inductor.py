@@ -94,12 +94,22 @@ class InductorPiece:
         size_arg / sized: with ``compile_sizes``, the argument of the artifact carrying the
             token count (a tensor's leading dim, or the size itself) and the artifact compiled
             for each size.
+        tail: the views that make the piece's outputs from the artifact's results, or None
+            (:class:`fxsplit.passes.piece_graph.PieceGraph`).
     """
 
-    __slots__ = ("artifact", "eager", "inputs", "name", "single", "size_arg", "sized")
+    __slots__ = ("artifact", "eager", "inputs", "name", "single", "size_arg", "sized", "tail")
 
     def __init__(
-        self, artifact, eager, single: bool, name: str, inputs=None, size_arg=None, sized=None
+        self,
+        artifact,
+        eager,
+        single: bool,
+        name: str,
+        inputs=None,
+        size_arg=None,
+        sized=None,
+        tail=None,
     ):
         self.artifact = artifact
         self.eager = eager
@@ -108,8 +118,10 @@ class InductorPiece:
         self.inputs = inputs
         self.size_arg = size_arg
         self.sized = sized
+        self.tail = tail
 
     def __call__(self, *args):
+        given = args
         if self.inputs is not None:
             args = self.inputs(args)
         artifact = self.artifact
@@ -117,6 +129,8 @@ class InductorPiece:
             size = args[self.size_arg]
             artifact = self.sized.get(size if type(size) is int else size.shape[0], artifact)
         out = artifact(*args)
+        if self.tail is not None:
+            out = self.tail(*given, *out)
         return out[0] if self.single else tuple(out)
 
     def __repr__(self) -> str:
@@ -260,6 +274,7 @@ def compile_pieces(
                 piece.inputs,
                 size_arg,
                 sized,
+                piece.tail,
             )
     for record in results:
         if record.outcome == EAGER:
@@ -467,19 +482,11 @@ def _not_compiled(split, i: int, nodes: dict[str, Node], grad_at_entry: bool) ->
             return f"input {name} is a {type(value).__name__}, not a tensor or a size"
         if grad_at_entry and isinstance(value, torch.Tensor) and value.requires_grad:
             return f"input {name} requires grad (compiled pieces are for inference)"
-    storages: dict[object, str] = {}
     for name in module.output_names:
         value = nodes[name].meta.get("example_value")
         if not isinstance(value, (torch.Tensor, torch.SymInt)):
             return f"output {name} is a {type(value).__name__}, not a tensor or a size"
-        if isinstance(value, torch.Tensor):
-            # AOTAutograd regenerates an output that views another output with the sizes it
-            # traced, which would freeze a dynamic size
-            storage = torch.multiprocessing.reductions.StorageWeakRef(value.untyped_storage())
-            if storage in storages:
-                return f"outputs {storages[storage]} and {name} share storage"
-            storages[storage] = name
-    return None
+    return None  # outputs sharing storage: piece_graph.build
 
 
 def _progress(items, graph_id: str):

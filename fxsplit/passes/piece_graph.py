@@ -13,17 +13,25 @@ Python float (``dynamic=True``, or after a value changed) to a 0-dim float64 ten
   graph takes it as the 0-dim float64 tensor Dynamo made of it and reads it with ``.item()``,
   which AOTAutograd's pass for Python scalars turns into tensor arithmetic. The piece is
   called with the float; :class:`Inputs` turns it into that tensor.
+
+Outputs that share storage (``q.split(...)`` at the end of a piece, both halves read by the
+attention after it) need care too: AOTAutograd regenerates an output that views another
+output with the sizes it traced, which would freeze a dynamic size. The views at the piece's
+end that make such outputs (its view tail) stay out of the compiled graph, which returns their
+bases instead, and run as Python on its results (:class:`PieceGraph` ``tail``): views launch no
+kernel, and they view the same memory they viewed in the piece's generated Python.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.fx import Graph, GraphModule, Node
 
-from fxsplit.passes import ops
+from fxsplit.passes import op_facts, ops
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -60,6 +68,8 @@ class PieceGraph:
         inputs: how the piece's arguments map onto the graph's; None when they are the same.
         float_symbols: names of the symbolic floats it takes as inputs (``"zf0"``).
         reason: why Inductor cannot compile it, or None.
+        tail: the piece's view tail, or None: called with the piece's arguments and then the
+            compiled graph's results, it returns the piece's outputs (a tuple).
     """
 
     graph_module: GraphModule | None
@@ -67,6 +77,7 @@ class PieceGraph:
     inputs: Inputs | None
     float_symbols: frozenset[str]
     reason: str | None = None
+    tail: GraphModule | None = None
 
 
 def float_sources(gm: GraphModule) -> dict[object, object]:
@@ -157,7 +168,22 @@ def build(
         env[node].meta = _meta(node)
         keep.append(k)
         examples.append(value)
+    outputs = [nodes[name] for name in module.output_names]
+    tail: set[Node] = set()
+    if _sharing(outputs) is not None:
+        tail = _view_tail(part_nodes)
+    results = _results(outputs, tail, set(part_nodes))
+    for node in results:
+        value = node.meta.get("example_value")
+        if not isinstance(value, (torch.Tensor, torch.SymInt)):
+            reason = f"its views read {node.name}, a {type(value).__name__}"
+            return PieceGraph(None, [], None, frozenset(), reason)
+    shared = _sharing(results)
+    if shared is not None:
+        return PieceGraph(None, [], None, frozenset(), f"outputs {shared} share storage")
     for j, node in enumerate(part_nodes):
+        if node in tail:
+            continue
         new = graph.create_node(
             node.op,
             node.target,
@@ -167,12 +193,81 @@ def build(
         )
         new.meta = _meta(node)
         env[node] = new
-    graph.output(tuple(env[nodes[name]] for name in module.output_names))
+    graph.output(tuple(env[node] for node in results))
     inputs = None
     if as_tensor or len(keep) != len(module.input_names):
         inputs = Inputs(tuple(keep), tuple(as_tensor))
     piece = GraphModule(gm, graph, class_name="FxsplitPiece")
-    return PieceGraph(piece, examples, inputs, frozenset(float_names))
+    views = _tail_module(gm, part_nodes, tail, module, nodes, results) if tail else None
+    return PieceGraph(piece, examples, inputs, frozenset(float_names), tail=views)
+
+
+def _sharing(values: list[Node]) -> str | None:
+    """``"a and b"``: the first two of ``values`` whose example values share storage."""
+    storages: dict[object, str] = {}
+    for node in values:
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            storage = torch.multiprocessing.reductions.StorageWeakRef(value.untyped_storage())
+            if storage in storages:
+                return f"{storages[storage]} and {node.name}"
+            storages[storage] = node.name
+    return None
+
+
+def _view_tail(part_nodes: list[Node]) -> set[Node]:
+    """The nodes at the end of a piece that only make views read by later pieces: views of
+    the op schema's kind (:func:`fxsplit.passes.op_facts.is_view`) and the items of a view op's
+    tuple (``q.split(...)[0]``), none of them read by a node of the piece outside the tail."""
+    part = set(part_nodes)
+    tail: set[Node] = set()
+    for node in reversed(part_nodes):  # users first
+        if (_item(node) or op_facts.is_view(node)) and all(
+            u in tail or u not in part for u in node.users
+        ):
+            tail.add(node)
+        else:  # its items, if tail, would read its tuple, which the compiled graph cannot return
+            tail.difference_update(u for u in node.users if _item(u))
+    return tail
+
+
+def _item(node: Node) -> bool:
+    """``node`` takes an item of a view op's tuple (``q.split(...)[0]``)."""
+    return (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(node.args[0], Node)
+        and op_facts.is_view(node.args[0])
+    )
+
+
+def _results(outputs: list[Node], tail: set[Node], part: set[Node]) -> list[Node]:
+    """What the compiled graph returns: the piece's outputs outside its view tail, then what
+    the tail reads of the piece's other values (the bases of its views), each once."""
+    results = dict.fromkeys(node for node in outputs if node not in tail)
+    for node in tail:
+        results.update(
+            (arg, None) for arg in node.all_input_nodes if arg in part and arg not in tail
+        )
+    return list(results)
+
+
+def _tail_module(gm, part_nodes, tail, module, nodes, results) -> GraphModule:
+    """The view tail as a module: ``tail(*piece_args, *compiled_results)`` returns the piece's
+    outputs as a tuple."""
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    for k, name in enumerate(module.input_names):
+        env[nodes[name]] = graph.placeholder(f"a{k}")
+    for j, node in enumerate(results):
+        env[node] = graph.placeholder(f"r{j}")
+    for j, node in enumerate(part_nodes):
+        if node in tail:
+            args = torch.fx.map_arg(node.args, env.__getitem__)
+            kwargs = torch.fx.map_arg(node.kwargs, env.__getitem__)
+            env[node] = graph.create_node(node.op, node.target, args, kwargs, name=f"v{j}")
+    graph.output(tuple(env[nodes[name]] for name in module.output_names))
+    return GraphModule(gm, graph, class_name="FxsplitViewTail")
 
 
 def _tensor_arithmetic(item: Node, part: set[Node]) -> bool:

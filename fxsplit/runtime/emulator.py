@@ -257,6 +257,25 @@ class _Recorder(TorchDispatchMode):
             return self.pool.adopt(value, copy)
         return value
 
+    def _adopt_leaves(self, leaves: list, fresh: list[bool]) -> list:
+        """The results of one call moved into the pool (those ``fresh`` says are new), one
+        block per storage: results that view one another (a compiled piece returning both
+        halves of a split) still do, as they do in a CUDA graph's memory."""
+        from fxsplit.runtime.storage import view_over
+
+        blocks: dict[int, torch.UntypedStorage] = {}
+        out = []
+        for leaf, new in zip(leaves, fresh, strict=True):
+            ptr = storage_ptr(leaf) if new else None
+            if ptr in blocks:
+                out.append(view_over(blocks[ptr], leaf))
+                continue
+            adopted = self._adopt(leaf) if new else leaf
+            if new and adopted is not leaf:
+                blocks[ptr] = adopted.untyped_storage()
+            out.append(adopted)
+        return out
+
     def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
         """Record ``func``'s call; returns ``out`` as the program gets it (moved into the
         pool)."""
@@ -313,7 +332,7 @@ class _Recorder(TorchDispatchMode):
             leaves, out_spec = (list(out), None) if flat else tree_flatten(out)
             flags = [fresh(t) for t in leaves]
             if any(flags):
-                leaves = [self._adopt(t) if f else t for t, f in zip(leaves, flags, strict=True)]
+                leaves = self._adopt_leaves(leaves, flags)
                 out = type(out)(leaves) if flat else tree_unflatten(leaves, out_spec)
             copies = tuple(
                 (i, self._alias(t)) for i, (t, f) in enumerate(zip(leaves, flags, strict=True)) if f
