@@ -107,9 +107,7 @@ class Backend:
         cuda = _cuda_device(example_inputs) is not None
         state = precompile.capture(gm, config, frame, cuda)  # before the split edits the graph
         compiled = self.build(gm, example_inputs, config, frame)
-        precompile.add_pieces(
-            state, self.compiled[-1].compiled_pieces, cache.cache_dir(config.cache_dir)
-        )
+        precompile.add_pieces(state, self.compiled[-1].compiled_pieces)
         return precompile.Precompiled(compiled, state)
 
     def build(

@@ -67,7 +67,9 @@ class State:
         config: the options (:class:`fxsplit.config.Config`).
         frame: :class:`fxsplit.runtime.graph_runtime.Frame`, or None.
         pieces: Inductor's artifact (binary format) per piece
-            (:func:`fxsplit.passes.piece_key.identity`).
+            (:func:`fxsplit.passes.piece_key.identity`) and per compile of a piece for one
+            token count (:func:`~fxsplit.passes.piece_key.sized_identity`), as the
+            precompiling process compiled or loaded them (whatever its piece cache holds).
         versions: torch and fxsplit versions it was compiled with.
         grad: grad mode when it was compiled (Dynamo's guards hold it to that mode).
         dynamic: traced under ``torch.compile(dynamic=True)`` (Dynamo's
@@ -170,17 +172,20 @@ def _pickler():
     return Pickler
 
 
-def add_pieces(state: State, records, cache_root) -> None:
-    """Bundle the artifacts of the compiled pieces of one graph (from the piece cache, where
-    this run stored or found them)."""
-    from fxsplit import cache
+def add_pieces(state: State, records) -> None:
+    """Bundle the artifacts of the compiled pieces of one graph, their compiles for single
+    token counts (``compile_sizes``) included, as this process compiled or loaded them."""
+    from fxsplit.passes import inductor, piece_key
 
-    store = cache.PieceCache(cache_root)
     for record in records or ():
-        if record.key is not None and record.identity not in state.pieces:
-            payload = store.payload(record.key)
+        keys = {record.identity: record.key}
+        keys.update(
+            (piece_key.sized_identity(record.identity, n), k) for n, k in record.sized.items()
+        )
+        for identity, key in keys.items():
+            payload = inductor.payload(key) if key is not None else None
             if payload is not None:
-                state.pieces[record.identity] = payload
+                state.pieces.setdefault(identity, payload)
 
 
 class Precompiled(SerializableCallable):
