@@ -134,6 +134,31 @@ def test_pieces_are_in_the_file_where_the_piece_cache_is_not_usable(tmp_path):
     fxsplit.backend.fxsplit_backend.reset()
 
 
+def test_a_piece_inductor_failed_on_stays_python_when_loaded(tmp_path, monkeypatch):
+    """What Inductor failed on is not tried again where the file loads (a failure is kept
+    in the piece cache for the same reason)."""
+    model, x = Stack(1), torch.randn(3, 8)
+    attempts = []
+
+    def failing(*args, **kwargs):
+        attempts.append(args)
+        raise RuntimeError("no lowering")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", failing)
+    aot = _aot(model, (x,), tmp_path, capture="emulate")
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    reasons = [r.reason for r in split.compiled_pieces]
+    assert len(attempts) == 2 and all("no lowering" in r for r in reasons)
+    attempts.clear()
+    loaded = _fresh_load(aot, tmp_path)
+    assert attempts == []
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    assert [r.reason for r in split.compiled_pieces] == reasons
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    fxsplit.backend.fxsplit_backend.reset()
+
+
 def test_the_plan_of_a_precompiled_graph_is_the_plan_of_the_traced_one(tmp_path):
     model, x = Stack(2), torch.randn(3, 8)
     backend = fxsplit.Backend(compile_pieces="eager")
