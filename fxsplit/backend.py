@@ -116,7 +116,7 @@ class Backend:
         example_inputs: Sequence[object],
         config: Config,
         frame: Frame | None,
-        bundle: dict[str, bytes] | None = None,
+        bundle: dict[str, bytes | str] | None = None,
     ) -> Callable:
         """Split ``gm`` under ``config`` and return the callable that runs it (what
         :meth:`__call__` does once it has the options and the frame; a precompiled graph

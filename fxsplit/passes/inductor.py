@@ -189,7 +189,7 @@ def compile_pieces(
     grad_at_entry: bool,
     size: object = None,
     sizes: tuple[int, ...] = (),
-    bundle: dict[str, bytes] | None = None,
+    bundle: dict[str, bytes | str] | None = None,
 ) -> list[CompiledPiece]:
     """Compile every distinct captured piece of ``split`` and make its pieces run the result.
 
@@ -208,7 +208,8 @@ def compile_pieces(
         bundle: a precompiled graph's compiled pieces (Inductor's artifacts by
             :func:`fxsplit.passes.piece_key.identity`, their compiles for single token counts
             by :func:`~fxsplit.passes.piece_key.sized_identity`: :mod:`fxsplit.precompile`),
-            loaded without keys or guards, as they were compiled; the rest as usual.
+            loaded without keys or guards, as they were compiled, and why Inductor failed on
+            a piece (a str: it stays generated Python); the rest as usual.
 
     Returns:
         one :class:`CompiledPiece` per distinct captured piece, in graph order.
@@ -246,6 +247,10 @@ def compile_pieces(
             results.append(CompiledPiece(names, EAGER, reason=reason))
             continue
         identity = piece_key.identity(code, layouts)
+        failed = bundle.get(identity) if bundle else None
+        if isinstance(failed, str):
+            results.append(CompiledPiece(names, EAGER, reason=failed, identity=identity))
+            continue
         size_arg = _size_arg(piece, size, sizes)
         wanted = sizes if size_arg is not None else ()
         loading = time.perf_counter()
