@@ -4,6 +4,7 @@ file (nothing compiled on load, even with the piece cache gone)."""
 
 from __future__ import annotations
 
+import functools
 import pickle
 import shutil
 
@@ -157,6 +158,28 @@ def test_a_piece_inductor_failed_on_stays_python_when_loaded(tmp_path, monkeypat
     with torch.no_grad():
         torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
     fxsplit.backend.fxsplit_backend.reset()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="Backend.capture marks the inputs' leading dim dynamic, and a precompiled "
+    "function's guards refuse a marked tensor (absent when it was compiled)",
+)
+def test_a_precompiled_model_captures_its_sizes_up_front(tmp_path):
+    model = Stack(1)
+    aot = _aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate", compile_pieces="eager")
+    loaded = _fresh_load(aot, tmp_path)
+    backend = fxsplit.backend.fxsplit_backend
+    backend.capture(functools.partial(loaded, model), {n: (torch.randn(n, 8),) for n in (4, 2)})
+    captured = counters.snapshot()["captures"]
+    assert captured > 0
+    with torch.no_grad():
+        for n in (4, 2, 4):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    assert counters.snapshot()["captures"] == captured and counters.snapshot()["replays"] > 0
+    backend.reset()
 
 
 def test_the_plan_of_a_precompiled_graph_is_the_plan_of_the_traced_one(tmp_path):
