@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import gc
 import inspect
 import logging
@@ -107,9 +108,7 @@ class Backend:
         cuda = _cuda_device(example_inputs) is not None
         state = precompile.capture(gm, config, frame, cuda)  # before the split edits the graph
         compiled = self.build(gm, example_inputs, config, frame)
-        precompile.add_pieces(
-            state, self.compiled[-1].compiled_pieces, cache.cache_dir(config.cache_dir)
-        )
+        precompile.add_pieces(state, self.compiled[-1].compiled_pieces)
         return precompile.Precompiled(compiled, state)
 
     def build(
@@ -118,7 +117,7 @@ class Backend:
         example_inputs: Sequence[object],
         config: Config,
         frame: Frame | None,
-        bundle: dict[str, bytes] | None = None,
+        bundle: dict[str, bytes | str] | None = None,
     ) -> Callable:
         """Split ``gm`` under ``config`` and return the callable that runs it (what
         :meth:`__call__` does once it has the options and the frame; a precompiled graph
@@ -238,10 +237,14 @@ class Backend:
         The leading dimension of every tensor argument whose size equals the capture size is
         marked dynamic first (``torch._dynamo.maybe_mark_dynamic``), so all sizes share one graph:
         otherwise Dynamo would specialise the first graph on the largest size and recompile at
-        the next one, leaving that capture in a graph no later call uses.
+        the next one, leaving that capture in a graph no later call uses. Not for a precompiled
+        function (``torch.compiler.load_compiled_function``'s, or a ``functools.partial`` of
+        it): it traces nothing, its shapes were settled when it was compiled, and its guards
+        refuse a marked tensor.
 
         Args:
-            model: the ``torch.compile``'d model using this backend.
+            model: the ``torch.compile``'d model using this backend, or a precompiled function
+                of one.
             inputs_by_size: ``{size: args tuple}``, one entry per capture size (token count).
         """
         try:
@@ -251,7 +254,7 @@ class Backend:
 
         sizes = sorted(inputs_by_size, reverse=True)
         runs = max(self.config.warmup_runs, 1) + 1  # compiled pieces warm up once on CUDA
-        for size in sizes:
+        for size in sizes if not _precompiled(model) else ():
             for arg in inputs_by_size[size]:
                 if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == size:
                     torch._dynamo.maybe_mark_dynamic(arg, 0)
@@ -453,6 +456,17 @@ def _traced_size(result: Split, example_inputs, frame: Frame | None, config: Con
     if not isinstance(traced, torch.Tensor):
         return None, ()
     return traced.shape[0], config.compile_sizes
+
+
+def _precompiled(model) -> bool:
+    """Whether ``model`` is a loaded precompiled function (or a partial of one)."""
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+    except ImportError:  # a torch without precompile
+        return False
+    while isinstance(model, functools.partial):
+        model = model.func
+    return isinstance(model, AOTCompiledFunction)
 
 
 def _cuda_device(example_inputs) -> torch.device | None:

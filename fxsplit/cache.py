@@ -126,14 +126,14 @@ class PieceCache:
         return self.folder / f"{key}.bin"
 
     def load(self, key: str):
-        """The artifact stored under ``key``, or None: missing, or not usable (deleted if it
-        is this user's, with one warning naming it; the caller compiles and stores it
-        again)."""
+        """``(artifact, payload)`` stored under ``key`` (the payload: its binary format), or
+        None: missing, or not usable (deleted if it is this user's, with one warning naming
+        it; the caller compiles and stores it again)."""
         payload = self.payload(key)
         if payload is None:
             return None
         try:
-            return load_artifact(payload, self.folder)
+            return load_artifact(payload, self.folder), payload
         except Exception as error:  # Inductor cannot read it: a miss, never a crash
             _discard(self.path(key), f"could not be loaded ({type(error).__name__}: {error})")
             return None
@@ -147,25 +147,15 @@ class PieceCache:
         data = _read_private(path)
         return None if data is None else _open_envelope(data, _MAGIC, key, path)
 
-    def save(self, key: str, artifact) -> bool:
-        """Store ``artifact`` under ``key`` atomically; False (logged) when Inductor cannot save
-        it (a graph its caches bypass) or the folder is not usable."""
+    def save(self, key: str, payload: bytes) -> bool:
+        """Store an artifact's ``payload`` (:func:`payload_of`) under ``key`` atomically;
+        False (logged) where the folder is not usable or cannot be written."""
         if not self.usable():
             return False
-        if hasattr(artifact, "is_saveable") and not artifact.is_saveable():
-            log.info("fxsplit: piece %s is not saveable by Inductor; not cached", key[:12])
-            return False
         try:
-            fd, scratch = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=".inductor")
-            os.close(fd)
-            try:
-                artifact.save(path=scratch, format="binary")
-                payload = Path(scratch).read_bytes()
-            finally:
-                os.unlink(scratch)
             _write(self.path(key), _envelope(_MAGIC, key, payload))
-        except Exception as error:
-            log.info("fxsplit: piece %s not cached: %s: %s", key[:12], type(error).__name__, error)
+        except OSError as error:
+            log.info("fxsplit: piece %s not cached: %s", key[:12], error)
             return False
         return True
 
@@ -265,6 +255,24 @@ def _write(path: Path, data: bytes) -> None:
     except BaseException:
         os.unlink(scratch)
         raise
+
+
+def payload_of(artifact, folder: Path | None = None) -> bytes | None:
+    """Inductor's ``artifact`` in its binary format (``CompiledArtifact.save`` writes paths: a
+    private temporary file in ``folder``, else in the system's temporary folder); None (logged)
+    where Inductor cannot save it (a graph its caches bypass, an artifact it loaded)."""
+    if hasattr(artifact, "is_saveable") and not artifact.is_saveable():
+        log.info("fxsplit: a compiled piece is not saveable by Inductor")
+        return None
+    try:
+        with _scratch(folder, b"") as scratch:
+            artifact.save(path=scratch, format="binary")
+            return Path(scratch).read_bytes()
+    except Exception as error:
+        log.info(
+            "fxsplit: a compiled piece could not be saved: %s: %s", type(error).__name__, error
+        )
+        return None
 
 
 def load_artifact(payload: bytes, folder: Path | None = None):

@@ -32,7 +32,7 @@ except ImportError:  # older torch keeps it in aot_compile, or has no precompile
     except ImportError:
         SerializableCallable = object
 
-FORMAT = 2
+FORMAT = 3
 # Node meta fxsplit reads after the split: example values, region annotations, module stacks,
 # unbacked-symbol bindings, the stack trace (dumps). Dynamo's GraphArg is kept as _Arg.
 _META = ("example_value", "val", "custom", "nn_module_stack", "unbacked_bindings", "stack_trace")
@@ -67,7 +67,10 @@ class State:
         config: the options (:class:`fxsplit.config.Config`).
         frame: :class:`fxsplit.runtime.graph_runtime.Frame`, or None.
         pieces: Inductor's artifact (binary format) per piece
-            (:func:`fxsplit.passes.piece_key.identity`).
+            (:func:`fxsplit.passes.piece_key.identity`) and per compile of a piece for one
+            token count (:func:`~fxsplit.passes.piece_key.sized_identity`), as the
+            precompiling process compiled or loaded them (whatever its piece cache holds);
+            for a piece Inductor failed on, why (a str: loading does not try it again).
         versions: torch and fxsplit versions it was compiled with.
         grad: grad mode when it was compiled (Dynamo's guards hold it to that mode).
         dynamic: traced under ``torch.compile(dynamic=True)`` (Dynamo's
@@ -80,7 +83,7 @@ class State:
     graph: bytes
     config: object
     frame: object
-    pieces: dict[str, bytes] = field(default_factory=dict)
+    pieces: dict[str, bytes | str] = field(default_factory=dict)
     versions: tuple[str, str] = ("", "")
     grad: bool = True
     dynamic: bool = False
@@ -170,17 +173,25 @@ def _pickler():
     return Pickler
 
 
-def add_pieces(state: State, records, cache_root) -> None:
-    """Bundle the artifacts of the compiled pieces of one graph (from the piece cache, where
-    this run stored or found them)."""
-    from fxsplit import cache
+def add_pieces(state: State, records) -> None:
+    """Bundle the artifacts of the compiled pieces of one graph, their compiles for single
+    token counts (``compile_sizes``) included, as this process compiled or loaded them, and
+    why Inductor failed on a piece."""
+    from fxsplit.passes import inductor, piece_key
 
-    store = cache.PieceCache(cache_root)
     for record in records or ():
-        if record.key is not None and record.identity not in state.pieces:
-            payload = store.payload(record.key)
+        if record.outcome == inductor.EAGER:
+            if record.identity is not None:  # Inductor failed on it
+                state.pieces.setdefault(record.identity, record.reason)
+            continue
+        keys = {record.identity: record.key}
+        keys.update(
+            (piece_key.sized_identity(record.identity, n), k) for n, k in record.sized.items()
+        )
+        for identity, key in keys.items():
+            payload = inductor.payload(key) if key is not None else None
             if payload is not None:
-                state.pieces[record.identity] = payload
+                state.pieces.setdefault(identity, payload)
 
 
 class Precompiled(SerializableCallable):

@@ -4,6 +4,7 @@ file (nothing compiled on load, even with the piece cache gone)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -74,6 +75,111 @@ def test_a_precompiled_model_loads_without_tracing_or_compiling(tmp_path):
     (split,) = fxsplit.backend.fxsplit_backend.compiled
     assert {r.outcome for r in split.compiled_pieces} == {"bundle"}
     fxsplit.backend.fxsplit_backend.reset()  # Dynamo's reset knows only the backends it ran
+
+
+def _fresh_load(aot, tmp_path):
+    """Save ``aot`` and load it as a fresh process would: nothing in Dynamo's or fxsplit's
+    memory, no piece cache."""
+    path = tmp_path / "model.pt2"
+    aot.save_compiled_function(str(path))
+    torch._dynamo.reset()
+    inductor.forget()
+    counters.reset()
+    shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+    with open(path, "rb") as f:
+        return torch.compiler.load_compiled_function(f, f_globals=globals())
+
+
+def test_the_sizes_compiled_on_their_own_load_from_the_file(tmp_path):
+    model = Stack(1)
+    aot = _aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate", compile_sizes=(4,))
+    loaded = _fresh_load(aot, tmp_path)
+    assert counters.snapshot()["pieces_compiled"] == 0
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    pieces = [p.forward for p in split.materialised.pieces]
+    assert any(isinstance(f, inductor.InductorPiece) and set(f.sized) == {4} for f in pieces)
+    with torch.no_grad():
+        for n in (4, 3, 4, 4, 4):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    assert counters.snapshot()["replays"] > 0
+    fxsplit.backend.fxsplit_backend.reset()
+
+
+@pytest.mark.parametrize("earlier", ["compiled", "loaded"])
+def test_pieces_this_process_already_held_are_in_the_file(tmp_path, earlier):
+    """A piece compiled, or loaded from another piece cache, before the precompile is served
+    from memory: the file holds it all the same."""
+    model, x = Stack(1), torch.randn(3, 8)
+    other = {"compile_pieces": "inductor", "cache_dir": str(tmp_path / "other")}
+    with torch.no_grad():
+        torch.compile(model, backend=fxsplit.Backend(**other), dynamic=True)(x)
+        if earlier == "loaded":
+            torch._dynamo.reset()
+            inductor.forget()
+            torch.compile(model, backend=fxsplit.Backend(**other), dynamic=True)(x)
+    torch._dynamo.reset()
+    loaded = _fresh_load(_aot(model, (x,), tmp_path, capture="emulate"), tmp_path)
+    assert counters.snapshot()["pieces_compiled"] == 0
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    assert {r.outcome for r in split.compiled_pieces} == {"bundle"}
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    fxsplit.backend.fxsplit_backend.reset()
+
+
+def test_pieces_are_in_the_file_where_the_piece_cache_is_not_usable(tmp_path):
+    model, x = Stack(1), torch.randn(3, 8)
+    (tmp_path / "cache").mkdir(mode=0o777)
+    (tmp_path / "cache").chmod(0o777)  # others can write it: fxsplit refuses it
+    with pytest.warns(fxsplit.FxsplitRuntimeWarning, match="not using the cache folder"):
+        aot = _aot(model, (x,), tmp_path, capture="emulate")
+    _fresh_load(aot, tmp_path)
+    assert counters.snapshot()["pieces_compiled"] == 0
+    fxsplit.backend.fxsplit_backend.reset()
+
+
+def test_a_piece_inductor_failed_on_stays_python_when_loaded(tmp_path, monkeypatch):
+    """What Inductor failed on is not tried again where the file loads (a failure is kept
+    in the piece cache for the same reason)."""
+    model, x = Stack(1), torch.randn(3, 8)
+    attempts = []
+
+    def failing(*args, **kwargs):
+        attempts.append(args)
+        raise RuntimeError("no lowering")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", failing)
+    aot = _aot(model, (x,), tmp_path, capture="emulate")
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    reasons = [r.reason for r in split.compiled_pieces]
+    assert len(attempts) == 2 and all("no lowering" in r for r in reasons)
+    attempts.clear()
+    loaded = _fresh_load(aot, tmp_path)
+    assert attempts == []
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    assert [r.reason for r in split.compiled_pieces] == reasons
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    fxsplit.backend.fxsplit_backend.reset()
+
+
+def test_a_precompiled_model_captures_its_sizes_up_front(tmp_path):
+    """Backend.capture marks no input dynamic for a precompiled function (its guards refuse
+    a marked tensor: its shapes were settled when it was compiled)."""
+    model = Stack(1)
+    aot = _aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate", compile_pieces="eager")
+    loaded = _fresh_load(aot, tmp_path)
+    backend = fxsplit.backend.fxsplit_backend
+    backend.capture(functools.partial(loaded, model), {n: (torch.randn(n, 8),) for n in (4, 2)})
+    captured = counters.snapshot()["captures"]
+    assert captured > 0
+    with torch.no_grad():
+        for n in (4, 2, 4):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    assert counters.snapshot()["captures"] == captured and counters.snapshot()["replays"] > 0
+    backend.reset()
 
 
 def test_the_plan_of_a_precompiled_graph_is_the_plan_of_the_traced_one(tmp_path):

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import sympy
@@ -50,6 +50,9 @@ _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 # Artifacts compiled or loaded in this process, and why Inductor failed, by cache key.
 _MEMORY: dict[str, object] = {}
 _FAILED: dict[str, str] = {}
+# Their binary format, kept for precompiled graphs to bundle: an artifact Inductor loaded
+# cannot be saved again, and the piece cache it came from may be another graph's.
+_PAYLOADS: dict[str, bytes] = {}
 # Inductor's check of the CPU's vector instruction sets, started by prepare().
 _ISA_CHECK: threading.Thread | None = None
 
@@ -69,6 +72,8 @@ class CompiledPiece:
         key: the cache key (:class:`fxsplit.passes.piece_key.Key` name; None when eager or
             loaded with a precompiled graph).
         identity: the piece within its graph (:func:`fxsplit.passes.piece_key.identity`).
+        sized: the cache key of the compile of each ``compile_sizes`` token count, where this
+            process compiled or loaded it from the piece cache.
     """
 
     pieces: tuple[str, ...]
@@ -78,6 +83,7 @@ class CompiledPiece:
     output_code: str | None = None
     key: str | None = None
     identity: str | None = None
+    sized: dict[int, str] = field(default_factory=dict)
 
 
 class InductorPiece:
@@ -181,6 +187,13 @@ def forget() -> None:
     """Drop the artifacts and failures kept in memory (the disk cache stays)."""
     _MEMORY.clear()
     _FAILED.clear()
+    _PAYLOADS.clear()
+
+
+def payload(key: str) -> bytes | None:
+    """The binary format of the artifact compiled or loaded under ``key`` in this process
+    (what a precompiled graph bundles); None where Inductor could not save it."""
+    return _PAYLOADS.get(key)
 
 
 def compile_pieces(
@@ -190,7 +203,7 @@ def compile_pieces(
     grad_at_entry: bool,
     size: object = None,
     sizes: tuple[int, ...] = (),
-    bundle: dict[str, bytes] | None = None,
+    bundle: dict[str, bytes | str] | None = None,
 ) -> list[CompiledPiece]:
     """Compile every distinct captured piece of ``split`` and make its pieces run the result.
 
@@ -207,8 +220,10 @@ def compile_pieces(
             when dynamic), for ``sizes``.
         sizes: the ``compile_sizes`` option: token counts that get a compile of their own.
         bundle: a precompiled graph's compiled pieces (Inductor's artifacts by
-            :func:`fxsplit.passes.piece_key.identity`: :mod:`fxsplit.precompile`), loaded
-            without keys or guards, as they were compiled; the rest as usual.
+            :func:`fxsplit.passes.piece_key.identity`, their compiles for single token counts
+            by :func:`~fxsplit.passes.piece_key.sized_identity`: :mod:`fxsplit.precompile`),
+            loaded without keys or guards, as they were compiled, and why Inductor failed on
+            a piece (a str: it stays generated Python); the rest as usual.
 
     Returns:
         one :class:`CompiledPiece` per distinct captured piece, in graph order.
@@ -246,24 +261,38 @@ def compile_pieces(
             results.append(CompiledPiece(names, EAGER, reason=reason))
             continue
         identity = piece_key.identity(code, layouts)
+        failed = bundle.get(identity) if bundle else None
+        if isinstance(failed, str):
+            results.append(CompiledPiece(names, EAGER, reason=failed, identity=identity))
+            continue
+        size_arg = _size_arg(piece, size, sizes)
+        wanted = sizes if size_arg is not None else ()
         loading = time.perf_counter()
-        artifact, size_arg, sized = _from_bundle(bundle, identity), None, None
+        artifact = _from_bundle(bundle, identity)
+        sized = {n: _from_bundle(bundle, piece_key.sized_identity(identity, n)) for n in wanted}
         if artifact is not None:
             seconds = time.perf_counter() - loading
-            results.append(CompiledPiece(names, BUNDLE, seconds, identity=identity))
-        if artifact is None or sizes:
+            record = CompiledPiece(names, BUNDLE, seconds, identity=identity)
+        if artifact is None or None in sized.values():
             key = piece_key.key(piece, dynamic, kind, piece_graph.objects(part_nodes, gm))
             store = disk if key.portable else None
             if not key.portable:
                 log.debug("fxsplit: %s is cached in memory only: %s", names[0], key.why)
         if artifact is None:
-            result = _compile(piece, key, store, dynamic)
-            results.append(CompiledPiece(names, *result, identity=identity))
-            if result[0] == EAGER:
-                continue
+            record = CompiledPiece(names, *_compile(piece, key, store, dynamic), identity=identity)
+        results.append(record)
+        if record.outcome == EAGER:
+            continue
+        if artifact is None:
             artifact = _MEMORY[key.name]
-        if sizes:
-            size_arg, sized = _specialise(piece, key, store, size, sizes)
+        for n in wanted:
+            if sized[n] is None:
+                sized_key = key.sized(n)
+                at_n = _at_size(piece, size.node.expr, n)
+                if _compile(at_n, sized_key, store, "from_example_inputs")[0] != EAGER:
+                    sized[n] = _MEMORY[sized_key.name]
+                    record.sized[n] = sized_key.name
+        sized = {n: found for n, found in sized.items() if found is not None}
         for i in members:
             module = split.materialised.pieces[i]
             module.forward = InductorPiece(
@@ -325,9 +354,9 @@ def _compile(piece: piece_graph.PieceGraph, found: piece_key.Key, disk, dynamic:
         _FAILED[key] = failed
         return EAGER, 0.0, failed, None, None
     _isa_checked()
-    artifact = disk.load(key) if disk is not None else None
-    if artifact is not None:
-        _MEMORY[key] = artifact
+    stored = disk.load(key) if disk is not None else None
+    if stored is not None:
+        _MEMORY[key], _PAYLOADS[key] = stored
         counters.totals["piece_cache_hits"] += 1
         return DISK, time.perf_counter() - start, None, None, key
     from torch._inductor import standalone_compile
@@ -358,8 +387,11 @@ def _compile(piece: piece_graph.PieceGraph, found: piece_key.Key, disk, dynamic:
         reason = f"Inductor failed: {type(error).__name__}: {first_line}"
         return _failed(key, disk, reason, start)
     _MEMORY[key] = artifact
-    if disk is not None:
-        disk.save(key, artifact)
+    saved = cache.payload_of(artifact, disk.folder if disk is not None and disk.usable() else None)
+    if saved is not None:
+        _PAYLOADS[key] = saved
+        if disk is not None:
+            disk.save(key, saved)
     counters.totals["pieces_compiled"] += 1
     return COMPILED, time.perf_counter() - start, None, "\n\n".join(code) or None, key
 
@@ -398,11 +430,12 @@ def _other_floats_settled(piece: piece_graph.PieceGraph) -> Iterator[None]:
         TensorifyState.force_specializations.update(saved)
 
 
-def _specialise(piece: piece_graph.PieceGraph, key: piece_key.Key, disk, size, sizes):
-    """(argument index, {size: artifact}) for the ``compile_sizes`` of one piece: compiled on
-    concrete inputs, the token count at each size, other sizes at their traced values."""
+def _size_arg(piece: piece_graph.PieceGraph, size, sizes) -> int | None:
+    """The argument of ``piece`` carrying the token count ``size`` (a SymInt: the leading dim
+    of the size input as Dynamo traced it) where the ``compile_sizes`` get compiles of their
+    own, else None."""
     if not sizes or not isinstance(size, torch.SymInt) or not size.node.expr.is_Symbol:
-        return None, None
+        return None
     examples = piece.examples
     symbol = size.node.expr
     size_arg = next(
@@ -426,20 +459,19 @@ def _specialise(piece: piece_graph.PieceGraph, key: piece_key.Key, disk, size, s
         # no token count here, inputs sharing storage, float arguments, or other sizes or
         # host values that a compile for one token count would freeze while the key reads
         # the token count alone
-        return None, None
-    sized = {}
-    for n in sizes:
-        concrete = piece_graph.PieceGraph(
-            piece.graph_module,
-            [_at(value, symbol, n) for value in examples],
-            piece.inputs,
-            piece.float_symbols,
-        )
-        sized_key = key.sized(n)
-        outcome = _compile(concrete, sized_key, disk, "from_example_inputs")
-        if outcome[0] != EAGER:
-            sized[n] = _MEMORY[sized_key.name]
-    return size_arg, sized
+        return None
+    return size_arg
+
+
+def _at_size(piece: piece_graph.PieceGraph, symbol, n: int) -> piece_graph.PieceGraph:
+    """``piece`` on concrete inputs for a compile of its own: the token count ``symbol`` at
+    ``n``, other sizes at their traced values."""
+    return piece_graph.PieceGraph(
+        piece.graph_module,
+        [_at(value, symbol, n) for value in piece.examples],
+        piece.inputs,
+        piece.float_symbols,
+    )
 
 
 def _at(value, symbol, n: int):

@@ -69,6 +69,11 @@ def identity(code: str, layouts: object) -> str:
     return _digest(code, repr(layouts))
 
 
+def sized_identity(identity: str, n: int) -> str:
+    """The compile of a piece (:func:`identity`) for token count ``n`` (``compile_sizes``)."""
+    return _digest(identity, f"size={n}")
+
+
 def key(piece: piece_graph.PieceGraph, dynamic: str, device: str, objects: tuple) -> Key:
     """The key of ``piece`` compiled with ``standalone_compile(dynamic_shapes=dynamic)`` for
     the device kind ``device`` (:func:`fxsplit.cache.device_kind`)."""
