@@ -18,12 +18,27 @@ log="$out/$name.log"
 start=$SECONDS
 # The command writes its log itself (nothing between it and the file can lose its last
 # lines when signals fly); tail shows the log until the command ends.
+# interrupt PID: SIGINT to PID once it catches SIGINT. A background job starts with SIGINT
+# ignored until `timeout` installs its handler, so one sent earlier is lost and the command
+# runs on; Linux's /proc/PID/status says when (SigCgt, bit 2); elsewhere it is sent at once.
+interrupt() {
+    local caught tries=0
+    while caught=$(awk '/^SigCgt:/ {print $2}' "/proc/$1/status" 2>/dev/null) &&
+        [ -n "$caught" ] && (((0x$caught & 2) == 0 && tries++ < 500)); do
+        sleep 0.01
+    done
+    kill -INT "$1" 2>/dev/null
+}
+# The trap comes first: a SIGTERM from the moment the log exists (what callers wait for) on
+# must stop the command and still leave the status file, never kill this script alone.
+pid="" stopped=""
+trap 'stopped=1; [ -n "$pid" ] && interrupt "$pid"' TERM
 : >"$log"
 timeout -s INT -k "$grace" "$limit" "$@" >>"$log" 2>&1 &
 pid=$!
+[ -n "$stopped" ] && interrupt "$pid"
 tail -n +1 -f -s 0.2 --pid="$pid" "$log" &
 follower=$!
-trap 'kill -INT "$pid" 2>/dev/null' TERM
 wait "$pid" 2>/dev/null  # bash's own "Killed" notice: the line below says it
 status=$?
 while kill -0 "$pid" 2>/dev/null; do  # a trapped signal ends wait early

@@ -340,6 +340,25 @@ def test_a_part_deaf_to_sigint_is_killed_after_its_grace(tmp_path):
     assert (tmp_path / "deaf.status").read_text().split()[0] == "137"
 
 
+def test_a_sigterm_as_soon_as_the_log_exists_stops_the_part_and_leaves_its_status(tmp_path):
+    """The moment a caller sees the log is the moment it may stop the part (gpu_check.sh's
+    stop test does): the script must already stop its command and write the status then. It
+    did not, in 28 of 40 tries: its trap came after the log, so SIGTERM killed the script
+    alone, the command ran on and the summary said the part was "not run"."""
+    for attempt in range(20):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        part = subprocess.Popen(
+            ["bash", ROOT / "scripts/timed_part.sh", "t", "60", "5", folder, "sleep", "30"],
+            stdout=subprocess.DEVNULL,
+        )
+        while not (folder / "t.log").exists():
+            time.sleep(0.001)
+        part.send_signal(signal.SIGTERM)
+        assert part.wait(timeout=30) != 0
+        assert (folder / "t.status").exists(), f"attempt {attempt}: no status file"
+
+
 @pytest.mark.skipif(expecttest is None, reason="needs expecttest")
 class GpuCheckPlan(expecttest.TestCase if expecttest else unittest.TestCase):
     def test_the_time_plan_adds_up_to_at_most_8_minutes(self):
