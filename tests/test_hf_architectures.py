@@ -138,7 +138,7 @@ def test_decode_equals_eager(architecture, runner, cache):
         pytest.skip(SHORT_OF_TARGET[architecture, cache])
     assert not result.error
     assert result.exact, f"{result.reference}: max abs diff per step: {result.diffs}"
-    assert result.eager_diff <= 1e-5
+    assert result.eager_diff <= coverage.EAGER_TOLERANCE
     assert len(result.diffs) == 1 + coverage.DECODE_STEPS
 
 
@@ -1387,6 +1387,26 @@ piece_6  captured   95  -          -
 piece_7  eager      28  -          dynamic:cache.layers[1].values.size(2)
 piece_8  captured   52  -          -""",
         )
+
+
+def test_the_vs_eager_cell_bounds_eagers_difference_whose_figure_moves_from_run_to_run():
+    """CI computed eager 2e-07 where the README, from another run, said 4e-07: the cell
+    gives the bound the tests hold it to, and the figure only where it is over."""
+
+    def cell(eager_diff: float) -> str:
+        result = coverage.Result(
+            "RecurrentGemmaForCausalLM",
+            "v1",
+            (),
+            (0.0,),
+            0.0,
+            reference="dynamo",
+            eager_diff=eager_diff,
+        )
+        return coverage.table([result]).splitlines()[2].split(" | ")[7]
+
+    assert cell(2e-7) == cell(4e-7) == "exact (Dynamo's graph; eager within 1e-05)"
+    assert cell(3e-5) == "exact (Dynamo's graph; eager 3e-05)"
 
 
 def test_readme_coverage_table_is_current():
