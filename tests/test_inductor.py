@@ -9,7 +9,7 @@ import torch
 
 import fxsplit
 from fxsplit import counters
-from fxsplit.passes import inductor
+from fxsplit.passes import inductor, piece_key
 from tests.stack import Stack
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
@@ -58,6 +58,10 @@ def test_plans_do_not_depend_on_compilation(cache_root):
     assert plain.compiled[0].compiled_pieces is None
 
 
+@pytest.mark.skipif(
+    not piece_key.keys_for_disk(),
+    reason=f"torch {torch.__version__} cannot key pieces for the disk (memory only)",
+)
 def test_warm_start_compiles_nothing(cache_root):
     _run(Stack(), cache_root, sizes=(3,))  # fills the cache folder (or finds it filled)
     inductor.forget()
@@ -179,6 +183,7 @@ def test_bad_compile_sizes_are_rejected():
 
 
 def test_dump_lists_compiled_pieces_and_their_code(cache_root, tmp_path):
+    pytest.importorskip("graphviz")  # a dump draws the split
     inductor.forget()  # compiled in this process, so Inductor's code is at hand
     _run(Stack(), cache_root, sizes=(3,), dump_dir=str(tmp_path))
     (folder,) = tmp_path.iterdir()

@@ -17,11 +17,17 @@ import torch
 
 import fxsplit
 from fxsplit import cache, counters
-from fxsplit.passes import inductor
+from fxsplit.passes import inductor, piece_key
 from fxsplit.tools import cli
 from tests.stack import Stack
 
-pytestmark = pytest.mark.usefixtures("fresh_capture_state")
+pytestmark = [
+    pytest.mark.usefixtures("fresh_capture_state"),
+    pytest.mark.skipif(
+        not piece_key.keys_for_disk(),
+        reason=f"torch {torch.__version__} cannot key pieces for the disk (memory only)",
+    ),
+]
 
 TOLERANCE = {"atol": 1e-5, "rtol": 1e-5}
 ROOT = Path(__file__).resolve().parent.parent

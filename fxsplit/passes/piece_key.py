@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -94,6 +95,8 @@ def key(piece: piece_graph.PieceGraph, dynamic: str, device: str, objects: tuple
     elif decompositions:
         tag = _digest(tag, *decompositions)
     try:
+        if not keys_for_disk():
+            raise LookupError(f"torch {torch.__version__} has no autograd_cache_key")
         with torch.compiler.config.patch(cache_key_tag=tag), standalone():
             pytorch_key = _pytorch_key(piece.graph_module, piece.examples, dynamic)
     except Exception as error:  # PyTorch refuses to key it: this process only
@@ -131,6 +134,17 @@ def standalone() -> Iterator[None]:
             if hasattr(config, name):
                 stack.enter_context(config.patch(name, False))
         yield
+
+
+@functools.cache
+def keys_for_disk() -> bool:
+    """Whether this torch computes PyTorch's key of a piece
+    (``torch._inductor.standalone_compile.autograd_cache_key``; torch 2.11 has none): without
+    it every piece is cached in memory only, and a new process compiles it again, through
+    Inductor's own caches."""
+    # the module: torch._inductor's attribute of that name is the function
+    module = importlib.import_module("torch._inductor.standalone_compile")
+    return hasattr(module, "autograd_cache_key")
 
 
 def _digest(*parts: str) -> str:
