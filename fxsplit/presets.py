@@ -148,7 +148,9 @@ def from_option(key: str, value: object) -> bool | tuple[Preset, ...]:
         return tuple(_from_entry(key, name, entry) for name, entry in value.items())
     if isinstance(value, list | tuple) and all(isinstance(p, Preset) for p in value):
         return tuple(value)
-    raise TypeError(f"fxsplit option {key}={value!r} has type {type(value).__name__}; {allowed}")
+    raise TypeError(
+        f"fxsplit option {key}={value!r} has type {type(value).__name__}; expected {allowed}"
+    )
 
 
 def _from_entry(key: str, name: object, entry: object) -> Preset:

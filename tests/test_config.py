@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -113,11 +114,14 @@ def test_unknown_key_lists_valid_keys():
         ("warmup_runs", "1"),
         ("dump_dir", 3),
         ("check_ranks", "no"),
+        ("presets", "yes"),
     ],
 )
 def test_wrong_type_raises_type_error_naming_key(key, value):
-    with pytest.raises(TypeError, match=key):
+    with pytest.raises(TypeError, match=key) as info:
         Config.from_options({key: value})
+    message = str(info.value)
+    assert "has type" not in message or re.search(r"has type \w+; expected ", message), message
 
 
 @pytest.mark.parametrize(

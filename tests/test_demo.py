@@ -209,3 +209,12 @@ def test_tp_demo_names_an_error_every_rank_raised_once(monkeypatch, capsys):
     assert tp_demo.run(3) == 1
     out = capsys.readouterr().out
     assert out.count("does not divide") == 1 and "ranks 0, 1, 2: ValueError" in out
+
+
+@pytest.mark.parametrize(("compiles", "calls"), [(False, ("1st", "2nd")), (True, ("2nd", "3rd"))])
+def test_prefill_table_names_the_calls_that_capture_and_replay(compiles, calls):
+    """With Inductor pieces a compiled piece runs once before its capture: the captures are
+    counted on the 2nd call and the replays on the 3rd."""
+    headers = [str(c.header) for c in demo._prefill_table(compiles).columns]
+    assert f"captures, {calls[0]} call" in headers
+    assert f"replays, {calls[1]} call" in headers

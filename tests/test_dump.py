@@ -505,6 +505,11 @@ def test_cli_piped_fits_100_columns_and_cuts_no_word(command, tmp_path, capsys, 
         (["dump", "tests.test_dump:tiny_factory", "--options", "{"], "not valid JSON"),
         (["dump", "tests.test_dump:tiny_factory", "--options", "[1]"], "must be a JSON object"),
         (["dump", "tests.test_dump:tiny_factory", "--options", '{"bogus": 1}'], "bogus"),
+        (
+            ["dump", "tests.test_dump:tiny_factory", "--options", '{"capture": "gpu"}'],
+            "capture='gpu' is not allowed",
+        ),
+        (["dump", "tests.test_dump:tiny_factory", "--options", '{"dump_dir": 3}'], "dump_dir=3"),
         (["diff", "tests.test_dump:tiny_factory", "--runner", "v1"], "exactly twice"),
     ],
 )

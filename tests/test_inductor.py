@@ -504,3 +504,58 @@ def test_the_background_isa_check_asks_what_inductor_asks_once_each(monkeypatch)
     assert not inductor._ISA_CHECK.is_alive()
     assert list(map(str, cpu_vec_isa.valid_vec_isa_list())) == alone
     assert sorted(builds) == asked
+
+
+class _TwoBases(torch.nn.Module):
+    """Two values each split in halves at the end of the first piece, the halves read by an
+    eager region: the compiled graph returns both bases, ``g`` then ``h``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.gate = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        g = self.gate(x)
+        h = self.up(x)
+        a, b = g.split([3, 5], dim=-1)
+        c, d = h.split([3, 5], dim=-1)
+        with fxsplit.region(fxsplit.ATTENTION):
+            y = a.sum(-1, keepdim=True) * b + c.sum(-1, keepdim=True) * d
+        return torch.sin(y)
+
+
+class _Reversed(set):
+    """A set iterated in the reverse of the graph order: what hashing by address may give."""
+
+    def __init__(self, nodes, order):
+        super().__init__(nodes)
+        self._order = [n for n in reversed(order) if n in nodes]
+
+    def __iter__(self):
+        return iter(self._order)
+
+
+def test_the_bases_a_view_tail_reads_are_returned_in_graph_order(cache_root, monkeypatch):
+    """The compiled graph's outputs (and so its cache key) never follow a set's order, which
+    changes between processes: a warm start compiled a DeepSeek-V4 piece again."""
+    from fxsplit.passes import piece_graph
+
+    view_tail = piece_graph._view_tail
+    monkeypatch.setattr(piece_graph, "_view_tail", lambda nodes: _Reversed(view_tail(nodes), nodes))
+    built = []
+    build = piece_graph.build
+    monkeypatch.setattr(
+        piece_graph, "build", lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+    )
+    model = _TwoBases()
+    backend = fxsplit.Backend(compile_pieces="inductor", cache_dir=str(cache_root), capture="off")
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)
+    first = built[0].graph_module.graph
+    (output,) = [n for n in first.nodes if n.op == "output"]
+    order = {n: i for i, n in enumerate(first.nodes)}
+    returned = [order[n] for n in output.args[0]]
+    assert returned == sorted(returned), first.python_code("self").src

@@ -172,7 +172,7 @@ def build(
     tail: set[Node] = set()
     if _sharing(outputs) is not None:
         tail = _view_tail(part_nodes)
-    results = _results(outputs, tail, set(part_nodes))
+    results = _results(outputs, tail, part_nodes)
     for node in results:
         value = node.meta.get("example_value")
         if not isinstance(value, (torch.Tensor, torch.SymInt)):
@@ -241,14 +241,17 @@ def _item(node: Node) -> bool:
     )
 
 
-def _results(outputs: list[Node], tail: set[Node], part: set[Node]) -> list[Node]:
+def _results(outputs: list[Node], tail: set[Node], part_nodes: list[Node]) -> list[Node]:
     """What the compiled graph returns: the piece's outputs outside its view tail, then what
-    the tail reads of the piece's other values (the bases of its views), each once."""
+    the tail reads of the piece's other values (the bases of its views), each once, in graph
+    order (never a set's: the order enters the compiled graph and so its cache key)."""
+    part = set(part_nodes)
     results = dict.fromkeys(node for node in outputs if node not in tail)
-    for node in tail:
-        results.update(
-            (arg, None) for arg in node.all_input_nodes if arg in part and arg not in tail
-        )
+    for node in part_nodes:
+        if node in tail:
+            results.update(
+                (arg, None) for arg in node.all_input_nodes if arg in part and arg not in tail
+            )
     return list(results)
 
 

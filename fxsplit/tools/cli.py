@@ -60,6 +60,12 @@ def _options(text: str | None, runner: str | None) -> dict:
         raise UsageError(f"--options is not valid JSON: {error}") from None
     if not isinstance(options, dict):
         raise UsageError(f"--options must be a JSON object, got {text!r}")
+    from fxsplit.config import Config
+
+    try:  # every value as given, before the two the CLI sets itself replace theirs
+        Config.from_options(options)
+    except (TypeError, ValueError) as error:
+        raise UsageError(f"bad fxsplit options: {error}") from None
     # The CLI writes its own dumps; the backend must not write them again.
     options.pop("dump_dir", None)
     options["capture"] = "off"

@@ -240,17 +240,28 @@ def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
     return ok
 
 
+def _prefill_table(compiles: bool) -> Table:
+    """The prefill table's columns: which call captures and which replays (a compiled piece
+    runs once before its capture, so with Inductor pieces they are the 2nd and the 3rd)."""
+    first = 2 if compiles else 1
+    table = Table()
+    table.add_column("seq_len", justify="right")
+    table.add_column("captured/eager pieces", justify="right")
+    table.add_column(f"captures, {_ORDINALS[first]} call", justify="right")
+    table.add_column(f"replays, {_ORDINALS[first + 1]} call", justify="right")
+    table.add_column("max diff", justify="right")
+    table.add_column("ok")
+    return table
+
+
+_ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
+
+
 def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
     mode, device = _capture_mode()
     label = _runner_label(runner, DEEPSEEK)
     title = f"transformers {DEEPSEEK} prefill, {label}"
-    table = Table()
-    table.add_column("seq_len", justify="right")
-    table.add_column("captured/eager pieces", justify="right")
-    table.add_column("captures, 1st call", justify="right")
-    table.add_column("replays, 2nd call", justify="right")
-    table.add_column("max diff", justify="right")
-    table.add_column("ok")
+    table = _prefill_table(_compiles(compile_pieces, device))
     ok = True
     plans: dict[str, tuple[SplitPlan, list[int]]] = {}  # plan text -> (plan, its lengths)
     records = []
