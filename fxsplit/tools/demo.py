@@ -64,6 +64,7 @@ def _capture_mode() -> tuple[str, str]:
 
 # Inductor fuses and reorders fp32 reductions, and CUDA may pick other kernels than eager.
 COMPILED_TOLERANCE = 1e-4
+_ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
 
 
 def _compiles(compile_pieces: str, device: str) -> bool:
@@ -252,9 +253,6 @@ def _prefill_table(compiles: bool) -> Table:
     table.add_column("max diff", justify="right")
     table.add_column("ok")
     return table
-
-
-_ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
 
 
 def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
