@@ -301,7 +301,8 @@ def _folder(root: Path) -> Path:
 
     Raises:
         FileNotFoundError: ``root`` does not exist.
-        NotADirectoryError: ``root`` (or its pieces folder) is not a folder.
+        NotADirectoryError: ``root`` (or its pieces folder) is not a folder, or ``root`` is
+            the pieces folder of a cache folder.
     """
     root = Path(root)
     if not root.exists():
@@ -311,6 +312,11 @@ def _folder(root: Path) -> Path:
     folder = root / PIECES
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{folder} is a file, not a folder of compiled pieces")
+    if not folder.exists() and any(p.suffix in (".bin", ".failed") for p in root.iterdir()):
+        raise NotADirectoryError(
+            f"{root} is the folder of compiled pieces inside a cache folder: give its cache "
+            f"folder, {root.parent}"
+        )
     return folder
 
 

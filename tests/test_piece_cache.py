@@ -306,8 +306,18 @@ def test_cache_command_reports_and_clears(filled, tmp_path, capsys):
     assert cli.main(["cache", "info", "--cache-dir", str(root)]) == 0
     assert "2 compiled pieces, 0 failure markers" in capsys.readouterr().out
     assert cli.main(["cache", "clear", "--cache-dir", str(root)]) == 0
-    assert "deleted 2 cache entries" in capsys.readouterr().out
+    assert "deleted 2 compiled pieces and failure markers" in capsys.readouterr().out
     assert cache.info(root) == {"pieces": 0, "failures": 0, "bytes": 0}
+
+
+@pytest.mark.parametrize("action", ["info", "clear"])
+def test_cache_command_on_the_pieces_folder_names_its_cache_folder(
+    filled, tmp_path, capsys, action
+):
+    root = _copy(filled, tmp_path)
+    assert cli.main(["cache", action, "--cache-dir", str(root / "pieces")]) == 1
+    assert f"give its cache folder, {root}" in capsys.readouterr().err
+    assert cache.info(root)["pieces"] == 2
 
 
 @pytest.mark.parametrize("action", ["info", "clear"])

@@ -175,7 +175,7 @@ def _cache(args) -> int:
     root = cache.cache_dir(args.cache_dir)
     try:
         if args.action == "clear":
-            print(f"deleted {cache.clear(root)} cache entries from {root}")
+            print(f"deleted {cache.clear(root)} compiled pieces and failure markers from {root}")
             return 0
         found = cache.info(root)
     except OSError as error:  # missing, or a file
