@@ -43,6 +43,7 @@ import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -55,7 +56,8 @@ from hypothesis import HealthCheck, Phase, event, given, reject, settings
 from hypothesis import strategies as st
 
 import fxsplit
-from fxsplit import counters
+from fxsplit import cache, counters
+from fxsplit.passes import inductor
 from fxsplit.runners import Runner
 from fxsplit.runtime.captured import _Refused
 from tests.replays import replays
@@ -996,9 +998,16 @@ def test_inductor_pieces_equal_eager(tmp_path_factory):
     half of them with ``compile_sizes`` (a compile per token count must not freeze the int
     argument or another size). Pieces must really be compiled: the sample fails when no piece
     of any program got an Inductor artifact (and, as every program, when one with captured
-    pieces replayed nothing under ``"emulate"``)."""
+    pieces replayed nothing under ``"emulate"``). Each program then runs again from a new trace
+    with nothing in memory, as a warm start would: every piece stored on disk by the first run
+    must be found under the same key (a key that follows a set's order, which changes with
+    the nodes' ids, compiled a piece again at every other warm start)."""
     folder = str(tmp_path_factory.getbasetemp() / "inductor_property")
+    store = cache.PieceCache(Path(folder))
     compiled_programs = []
+
+    def keys(backend) -> set[str]:
+        return {r.key for split in backend.compiled for r in split.compiled_pieces or () if r.key}
 
     @settings(max_examples=int(os.environ.get("FXSPLIT_INDUCTOR_EXAMPLES", 8)), derandomize=True)
     @given(case=cases(), sized=st.booleans())
@@ -1009,7 +1018,14 @@ def test_inductor_pieces_equal_eager(tmp_path_factory):
         # Inductor draws random numbers its own way unless told to call eager's ops
         with torch._inductor.config.patch(fallback_random=True):
             backend = run_case(dataclasses.replace(case, options=options))
-        outcomes = [r.outcome for split in backend.compiled for r in split.compiled_pieces or ()]
+            outcomes = [
+                r.outcome for split in backend.compiled for r in split.compiled_pieces or ()
+            ]
+            stored = {key for key in keys(backend) if store.path(key).exists()}
+            if stored:  # the next run's Dynamo reset clears this backend's records
+                inductor.forget()
+                again = keys(run_case(dataclasses.replace(case, options=options)))
+                assert stored <= again, f"keys changed between two traces: {stored - again}"
         event(f"piece outcomes: {sorted(set(outcomes))}, compile_sizes: {sized}")
         if any(o != "eager" for o in outcomes):
             compiled_programs.append(case)
