@@ -120,6 +120,7 @@ def test_compile_summary_names_why_pieces_stayed_python_and_cuts_no_word_at_80_c
     text = console.text
     assert max(len(line) for line in text.splitlines()) <= 80
     assert not cut_words(console)
+    assert [line for line in text.splitlines() if line != line.rstrip()] == []  # no padding
     assert text.startswith("compiled pieces: 3 distinct: 0 compiled, 2 loaded (1 disk, 1 memory)")
     assert f"  piece_0 left as Python: {reason}\n" in text
 

@@ -29,6 +29,7 @@ status is 1 if one does not.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -208,15 +209,21 @@ def _compile_summary(console: Console, records: list) -> None:
     per piece left as Python saying why (the same reason once)."""
     from fxsplit.passes import inductor
 
-    if records:
-        console.print(f"compiled pieces: {inductor.summary(records)}", highlight=False)
-    why = (
+    lines = [f"compiled pieces: {inductor.summary(records)}"] if records else []
+    lines += dict.fromkeys(
         f"  {', '.join(r.pieces)} left as Python: {r.reason}"
         for r in records
         if r.outcome == inductor.EAGER
     )
-    for line in dict.fromkeys(why):
-        console.print(line, highlight=False)
+    for line in lines:  # wrapped here: rich's own wrap leaves a space at each line's end
+        wrapped = textwrap.fill(
+            line,
+            console.width,
+            subsequent_indent="    ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        console.print(wrapped, highlight=False, soft_wrap=True)
 
 
 def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
