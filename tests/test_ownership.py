@@ -19,6 +19,7 @@ from torch import nn
 import fxsplit
 from fxsplit import counters
 from fxsplit.runtime.binding import RUNNER
+from tests.versions import needs_swap
 from tests.warned import warned_at
 
 D = 4
@@ -646,6 +647,7 @@ def test_view_of_a_persistent_input_read_by_a_later_piece_under_v2():
             assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
 
 
+@needs_swap
 def test_model_write_to_a_handed_back_output_reaches_it():
     def f(x, h):
         h.add_(1)
@@ -715,6 +717,7 @@ def test_clone_outputs_keeps_the_conj_bit():
     assert _replays() > 0
 
 
+@needs_swap
 def test_buffers_swapped_in_forward_keep_their_values():
     class M(nn.Module):
         def __init__(self):
@@ -812,6 +815,7 @@ def test_view_output_of_an_input_with_conj_or_neg_bit(bit):
     assert _replays() > 0
 
 
+@needs_swap
 def test_earlier_output_handed_back_as_a_tensor_and_a_view_of_it():
     """The piece writes ``x`` and reads ``y``, a view of it: two separate static copies could not
     keep that aliasing, so that call runs uncaptured (warned, counted), with eager's numbers."""

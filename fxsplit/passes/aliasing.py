@@ -126,6 +126,7 @@ def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) ->
         a :class:`PieceAliasing`; its ``error`` says why when the analysis could not run (no fake
         example values, an op without a fake kernel, a torch without the metadata collector).
     """
+    import torch._guards
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -152,7 +153,12 @@ def analyse(fn: Callable, example_inputs: Sequence[object], num_outputs: int) ->
         # decomposition a clone).
         # A shape environment of its own lets HOPs whose fake kernels make unbacked sizes
         # (``while_loop``) run; the inputs' sizes stay concrete.
-        with FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()):
+        # Outside Dynamo's tracing context: torch 2.11's HOPs (cond, wrap, invoke_subgraph, ...)
+        # take that context's fake mode over this one's and fail ("Mixing fake modes NYI").
+        with (
+            torch._guards.tracing(None),
+            FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()),
+        ):
             inputs = [_fresh(example_inputs[i]) for i in traced]
             meta = _run(collect, flat_fn, inputs)
     except Exception as error:  # any failure: the piece is not captured on a guess
