@@ -5,8 +5,8 @@
 # torch 2.11 from the registry, a CUDA build that runs on the CPU; pytest and numpy, nothing
 # else) and checks, on the CPU, what can run without a GPU:
 #   - pytest collects every test module without error;
-#   - the compiled-piece and higher-order-op tests pass (or skip where this torch lacks what they
-#     need);
+#   - the compiled-piece, higher-order-op and binding tests pass (or skip where this torch lacks
+#     what they need);
 #   - the GPU check's scripts start (bench/*.py --help);
 #   - bench/decode_latency.py measures tiny sizes under a budget with parts stopped at their
 #     time limit (SIGALRM through Dynamo and fxsplit), and still writes its table and JSON;
@@ -52,9 +52,11 @@ for lib in hypothesis expecttest transformers rich tqdm graphviz; do
 done
 "$py" -m pytest -q -p no:cacheprovider --collect-only tests >/dev/null
 # Compiled pieces lean on Inductor's and Dynamo's newest APIs, the aliasing analysis of pieces
-# holding higher-order ops on their fake tracing: run their tests on this torch.
+# holding higher-order ops on their fake tracing, and a buffer the model rebinds to an output on
+# how this torch invalidates held outputs: run their tests on this torch.
 "$py" -m pytest -q -p no:cacheprovider tests/test_inductor.py tests/test_piece_cache.py \
     tests/test_precompile.py tests/test_floats.py tests/test_compiled_capture.py tests/test_hops.py \
+    tests/test_binding.py \
     >"$venv.tests.log" 2>&1 || { cat "$venv.tests.log" >&2; exit 1; }
 "$py" bench/decode_latency.py --help >/dev/null
 "$py" bench/compile_time.py --help >/dev/null

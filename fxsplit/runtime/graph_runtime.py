@@ -392,14 +392,13 @@ class GraphRuntime:
             # Earlier outputs handed back in are read before anything (a parameter move's
             # recapture included) may invalidate their memory.
             if pool is not None:
-                handed = self._take_over(args)
-                if handed:
-                    args = list(args)
-                    for i, _, copy in handed:
-                        args[i] = copy
-                    args = tuple(args)
+                handed = self._take_over(args, self._runner_inputs)
+                args = _with_copies(args, handed)
             if self._params:
-                self._check_params(args)
+                rebound = self._check_params(args)
+                if rebound:  # buffers the model rebinds to its outputs, copied before the reset
+                    args = _with_copies(args, rebound)
+                    handed = [*(handed or ()), *rebound]
         session.enter()
         out = ()
         try:
@@ -418,17 +417,15 @@ class GraphRuntime:
         session.record_outputs(self, out, args)
         return out
 
-    def _take_over(self, args) -> list | None:
-        """Arguments that are outputs an earlier step handed out (or views of them): this step's
-        replays may overwrite their memory before they are read, so the step reads private
-        copies (sharing memory as the originals do), handed back afterwards. Outputs handed out
-        in this step need none: replays keep capture order within a step."""
+    def _take_over(self, args, indices: list[int]) -> list | None:
+        """The arguments at ``indices`` that are outputs an earlier step handed out (or views of
+        them): this step's replays may overwrite their memory before they are read, so the step
+        reads private copies (sharing memory as the originals do), handed back afterwards.
+        Outputs handed out in this step need none: replays keep capture order within a step."""
         ledger = self.pool.ledger
         step = self.pool.step
         back = [
-            i
-            for i in self._runner_inputs
-            if (h := ledger.handed_out(args[i])) is not None and h.step != step
+            i for i in indices if (h := ledger.handed_out(args[i])) is not None and h.step != step
         ]
         if not back:
             return None
@@ -529,7 +526,10 @@ class GraphRuntime:
             )
         return False
 
-    def _check_params(self, args) -> None:
+    def _check_params(self, args) -> list | None:
+        """Follow the parameters and buffers: recapture where they moved, or make those the
+        model rebinds runner inputs; returns the private copies taken of rebound ones that are
+        earlier outputs (:meth:`_take_over`), or None."""
         ptrs = tuple(args[i].data_ptr() for i in self._params)
         if self._param_ptrs is None:
             self._param_ptrs = ptrs
@@ -550,8 +550,7 @@ class GraphRuntime:
                 rebound.append(i)
             self._moves[i] = self._steps
         if rebound:
-            self._rebind(rebound)
-            return
+            return self._rebind(rebound, args)
         dropped = self.reset()
         log.info(
             "fxsplit %s: parameters or buffers moved since capture (%s); dropped %d captured "
@@ -564,9 +563,11 @@ class GraphRuntime:
             counters.totals["recaptures"] += 1
             self._note_recapture("parameters or buffers moved (load_state_dict(assign=True)?)")
 
-    def _rebind(self, indices: list[int]) -> None:
+    def _rebind(self, indices: list[int], args) -> list | None:
         """Static inputs that moved on two consecutive steps are rebound by the model itself
-        (``self.t = self.t + 1``): from now on they are fxsplit's to copy, like runner inputs."""
+        (``self.t = self.t + 1``): from now on they are fxsplit's to copy, like runner inputs.
+        Those that are earlier outputs are copied first (returned, see :meth:`_take_over`): the
+        reset invalidates what this graph handed out, and this step still reads them."""
         names = [self._placeholders[i].name for i in indices]
         self._warn_once(
             "rebound:" + ",".join(names),
@@ -580,8 +581,10 @@ class GraphRuntime:
         self._params = [i for i in self._params if i not in indices]
         self._runner_inputs = sorted({*self._runner_inputs, *indices})
         self._param_ptrs = None
+        taken = self._take_over(args, indices) if self.pool is not None else None
         self.reset()
         self.pieces = self._install()
+        return taken
 
     def _note_recapture(self, reason: str) -> None:
         """Warn once when the graph recaptured more than a few times within a few steps."""
@@ -671,6 +674,16 @@ def _generators(nodes) -> tuple:
             if isinstance(value, torch.Generator) and value.device.type == "cuda":
                 found.setdefault(id(value), value)
     return tuple(found.values())
+
+
+def _with_copies(args: tuple, handed: list | None) -> tuple:
+    """``args`` with the private copies of :meth:`GraphRuntime._take_over` in place."""
+    if not handed:
+        return args
+    args = list(args)
+    for i, _, copy in handed:
+        args[i] = copy
+    return tuple(args)
 
 
 def _hand_back(out: tuple, handed: list, graph_id: str) -> tuple:
