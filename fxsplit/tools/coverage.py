@@ -175,7 +175,9 @@ def check(
     Where they differ, the reference becomes Dynamo's graph run eagerly (``backend="eager"``):
     transformers takes other paths under ``torch.compile`` (its sdpa path repeats keys and
     values for grouped-query attention where eager decode packs the query heads; sliding-window
-    masks are built another way), which moves logits by about 1e-7 before any split.
+    masks are built another way), which moves logits by about 1e-7 before any split; that
+    reference runs a model ``build`` makes again, so ``build`` must make the same model each
+    time (the built-in builders seed their weights).
 
     Raises:
         ValueError: an unknown architecture (the message lists the known ones) or cache kind.
@@ -225,7 +227,9 @@ def check(
     diffs = _diffs(got, want)
     eager_diff, reference = max(diffs), "eager"
     if eager_diff:
-        dynamo = torch.compile(model, backend="eager")
+        # A model built again: the compiled run's model may keep outputs of captured pieces in
+        # its modules (RecurrentGemma's recurrent state), which the reset just invalidated.
+        dynamo = torch.compile(build(architecture).to(device), backend="eager")
         diffs = _diffs(got, hf_architectures.decode(dynamo, model.config, ids, cache))
         reference = "dynamo"
         torch._dynamo.reset()
