@@ -94,14 +94,17 @@ def key(piece: piece_graph.PieceGraph, dynamic: str, device: str, objects: tuple
         why = "an op's CompositeImplicitAutograd implementation could not be traced"
     elif decompositions:
         tag = _digest(tag, *decompositions)
-    try:
-        if not keys_for_disk():
-            raise LookupError(f"torch {torch.__version__} has no autograd_cache_key")
-        with torch.compiler.config.patch(cache_key_tag=tag), standalone():
-            pytorch_key = _pytorch_key(piece.graph_module, piece.examples, dynamic)
-    except Exception as error:  # PyTorch refuses to key it: this process only
-        first = next(iter(str(error).splitlines()), "")
-        why = why or f"PyTorch's cache refuses it ({type(error).__name__}: {first})"
+    pytorch_key = None
+    if not keys_for_disk():
+        why = why or f"torch {torch.__version__} cannot compute PyTorch's key of a piece"
+    else:
+        try:
+            with torch.compiler.config.patch(cache_key_tag=tag), standalone():
+                pytorch_key = _pytorch_key(piece.graph_module, piece.examples, dynamic)
+        except Exception as error:  # PyTorch refuses to key it: this process only
+            first = next(iter(str(error).splitlines()), "")
+            why = why or f"PyTorch's cache refuses it ({type(error).__name__}: {first})"
+    if pytorch_key is None:
         pytorch_key = f"{piece.graph_module.code}\0{_config_identity()}\0{tag}"
     if why is None and objects:
         why = "it calls objects its code cannot identify (a user function, a submodule)"
