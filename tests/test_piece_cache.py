@@ -75,6 +75,44 @@ def test_warm_run_loads_every_piece_and_compiles_none(filled, tmp_path):
     assert (found["pieces_compiled"], found["piece_cache_hits"], messages) == (0, 2, [])
 
 
+def test_a_piece_served_from_memory_is_stored_in_this_backends_cache_folder_too(filled, tmp_path):
+    """Two backends with their own cache folders in one process: the second finds the pieces in
+    memory, and must still leave them in its folder for its next process (it did not: a warm
+    start there compiled them again; test_inductor's warm-start test failed after this file)."""
+    _run(_copy(filled, tmp_path / "first"))  # the pieces are in memory now
+    counters.reset()
+    torch._dynamo.reset()
+    second = tmp_path / "second"
+    model = Stack(1)
+    backend = fxsplit.Backend(compile_pieces="inductor", cache_dir=str(second))
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=True)(torch.randn(3, 8))
+    assert counters.snapshot()["piece_cache_hits"] == 2  # from memory
+    found, messages = _run(second)  # a new process's view: nothing in memory
+    assert (found["pieces_compiled"], found["piece_cache_hits"], messages) == (0, 2, [])
+
+
+def test_a_failure_known_in_memory_is_marked_in_this_backends_cache_folder_too(
+    tmp_path, monkeypatch
+):
+    attempts = []
+
+    def failing(*args, **kwargs):
+        attempts.append(args)
+        raise RuntimeError("no lowering")
+
+    monkeypatch.setattr(torch._inductor, "standalone_compile", failing)
+    _run(tmp_path / "first")
+    assert len(attempts) == 2
+    torch._dynamo.reset()
+    model = Stack(1)
+    backend = fxsplit.Backend(compile_pieces="inductor", cache_dir=str(tmp_path / "second"))
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=True)(torch.randn(3, 8))
+    assert len(attempts) == 2  # known in memory
+    assert cache.info(tmp_path / "second")["failures"] == 2
+
+
 # ----------------------------------------------------------------------------- the key
 
 

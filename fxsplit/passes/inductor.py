@@ -348,10 +348,15 @@ def _compile(piece: piece_graph.PieceGraph, found: piece_key.Key, disk, dynamic:
     key = found.name
     if key in _MEMORY:
         counters.totals["piece_cache_hits"] += 1
+        if disk is not None and key in _PAYLOADS and not disk.path(key).exists():
+            disk.save(key, _PAYLOADS[key])  # another backend's folder: its next run loads it
         return MEMORY, 0.0, None, None, key
-    failed = _FAILED.get(key) or (disk.failure(key) if disk is not None else None)
+    stored = disk.failure(key) if disk is not None else None
+    failed = _FAILED.get(key) or stored
     if failed is not None:
         _FAILED[key] = failed
+        if disk is not None and stored is None:
+            disk.save_failure(key, failed)  # as for artifacts: this folder's next run knows
         return EAGER, 0.0, failed, None, None
     _isa_checked()
     stored = disk.load(key) if disk is not None else None
