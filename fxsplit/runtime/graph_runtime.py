@@ -580,7 +580,10 @@ class GraphRuntime:
         self._volatile.update(names)
         self._params = [i for i in self._params if i not in indices]
         self._runner_inputs = sorted({*self._runner_inputs, *indices})
-        self._param_ptrs = None
+        # The others keep following from this step's addresses: forgetting them (None) took the
+        # next step's move for the first look, and a graph captured on the old weights replayed.
+        self._param_ptrs = tuple(args[i].data_ptr() for i in self._params)
+        self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
         taken = self._take_over(args, indices) if self.pool is not None else None
         self.reset()
         self.pieces = self._install()

@@ -1,0 +1,125 @@
+"""Model state kept between calls (buffers the model rebinds, weights swapped between calls),
+each call compared bit for bit with the same model run eagerly."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxsplit
+
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
+
+D = 4
+
+
+class _Rebinding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("t", torch.zeros(D))
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.lin(x) + self.t
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        self.t = self.t + h.sum(0)
+        return h * 3
+
+
+def _x(step):
+    return torch.randn(3, D, generator=torch.Generator().manual_seed(step))
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_weights_reloaded_the_step_after_a_buffer_was_found_rebound_are_followed(runner):
+    """Step 1 finds ``t`` rebound and recaptures at once (no warm-up); step 2 reloads the weights
+    with load_state_dict(assign=True). The rebinding forgot the weights' addresses, so step 2
+    took their move for the first look and replayed the graph captured on the old weights."""
+    eager = _Rebinding()
+    net = copy.deepcopy(eager)
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=0, runner=runner, input_binding="copy")
+    model = torch.compile(net, backend=backend, dynamic=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(5):
+            if step == 2:
+                g = torch.Generator().manual_seed(7)
+                new = {"lin.weight": torch.randn(D, D, generator=g)}
+                new["lin.bias"] = torch.randn(D, generator=g)
+                for m in (eager, net):
+                    m.load_state_dict(copy.deepcopy(new), strict=False, assign=True)
+            x = _x(step)
+            want, got = eager(x), model(x)
+            assert torch.equal(got, want), (step, (got - want).abs().max().item())
+            assert torch.equal(net.t, eager.t), step
+    assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+class _Half(nn.Module):
+    """Rebinds its state in the graph after a break: the resumed frame's graph is one graph for
+    every instance of the class."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("t", torch.zeros(D))
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.lin(x) + self.t
+        torch._dynamo.graph_break()
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.sin()
+        self.t = self.t + h.sum(0)
+        return h * 2
+
+
+class _TwoHalves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = _Half(), _Half()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.xfail(strict=True, raises=fxsplit.StaleOutputError, reason="not fixed yet")
+def test_two_instances_sharing_a_graph_keep_their_rebound_state_readable():
+    """b's call of the shared graph moves its parameters: the recapture invalidates what the
+    graph handed out, a.t included (a's state, an output of a's call); a's next call hands a.t
+    to a graph and raises, where eager runs."""
+    eager = _TwoHalves()
+    net = copy.deepcopy(eager)
+    model = torch.compile(net, backend=fxsplit.Backend(capture="emulate"))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(5):
+            x = _x(step)
+            assert torch.equal(model(x), eager(x)), step
+            assert torch.equal(net.a.t, eager.a.t) and torch.equal(net.b.t, eager.b.t), step
+
+
+@pytest.mark.xfail(strict=True, raises=fxsplit.StaleOutputError, reason="not fixed yet")
+def test_backend_reset_between_calls_leaves_rebound_state_readable():
+    """backend.reset() (not torch._dynamo.reset()) between calls: Dynamo keeps calling the
+    graph, whose rebound buffer t (an output of the last call) the reset invalidated."""
+    eager = _Rebinding()
+    net = copy.deepcopy(eager)
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=0)
+    model = torch.compile(net, backend=backend, dynamic=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(5):
+            if step == 3:
+                backend.reset()
+            x = _x(step)
+            assert torch.equal(model(x), eager(x)), step
+            assert torch.equal(net.t, eager.t), step
