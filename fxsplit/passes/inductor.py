@@ -351,11 +351,11 @@ def _compile(piece: piece_graph.PieceGraph, found: piece_key.Key, disk, dynamic:
         if disk is not None and key in _PAYLOADS and not disk.path(key).exists():
             disk.save(key, _PAYLOADS[key])  # another backend's folder: its next run loads it
         return MEMORY, 0.0, None, None, key
-    stored = disk.failure(key) if disk is not None else None
-    failed = _FAILED.get(key) or stored
+    marker = disk.failure(key) if disk is not None else None
+    failed = _FAILED.get(key) or marker
     if failed is not None:
         _FAILED[key] = failed
-        if disk is not None and stored is None:
+        if disk is not None and marker is None:
             disk.save_failure(key, failed)  # as for artifacts: this folder's next run knows
         return EAGER, 0.0, failed, None, None
     _isa_checked()
