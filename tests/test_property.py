@@ -4,20 +4,24 @@ Every example is a small program: a hypothesis-drawn list of instructions (eleme
 reduction ops, matmuls, views, in-place ops on intermediates and on inputs, in-place metadata
 changes of intermediates (``t_``, ``transpose_``, ``as_strided_``, ``unsqueeze_``, on square and
 non-square registers), random ops, values stored through side effects (a dict entry, a module
-attribute, a forward hook), multi-output ops with getitem, a custom two-output op, ``torch.Size``
-values used later, SymInt arithmetic, a per-step int argument, tensor constants, submodules,
-``no_grad`` blocks and regions, nested too, and at most one graph break) run by one
-``nn.Module`` whose ``forward`` interprets it (Dynamo unrolls the loop, so one module class
-serves every example). The example also draws the runner (``v1``, ``v2`` or a custom runner with
-every region eager), the capture mode (``"off"`` or ``"emulate"``), ``dynamic``, the outer grad
-mode, splitting ops, eager modules, warm-up runs, verify, capture sizes, ``clone_outputs``,
+attribute, a forward hook), the model's own state kept between calls (a buffer read, written in
+place, written through a slice, rebound), multi-output ops with getitem, a custom two-output op,
+``torch.Size`` values used later, SymInt arithmetic, a per-step int argument, tensor constants,
+submodules, ``no_grad`` blocks and regions, nested too, and at most one graph break) run by one
+``nn.Module`` whose ``forward`` interprets it (Dynamo unrolls the loop, so one module class serves
+every example). The example also draws the runner (``v1``, ``v2`` or a custom runner with every
+region eager), the capture mode (``"off"`` or ``"emulate"``), ``dynamic``, the outer grad mode,
+splitting ops, eager modules, warm-up runs, verify, capture sizes, ``clone_outputs``,
 ``max_captured_keys``, ``on_capture_error``, whether each step's second input is the previous
-step's output, whether the caller keeps every step's outputs and stored values, and the capture
-order: pieces that capture steps later than others (more warm-ups, or a first capture refused).
+step's output, whether the caller keeps every step's outputs and stored values, whether the caller
+changes the model between two calls (weights copied in place, weights or the state buffer replaced
+by new tensors), and the capture order: pieces that capture steps later than others (more warm-ups,
+or a first capture refused).
 
 Property: ``torch.compile(model, backend=fxsplit.Backend(...))`` returns exactly what eager
-returns (``torch.equal``), stores what eager stores, and leaves its inputs exactly as eager leaves
-them, on every call, and whatever the caller kept still holds its step's values at the end:
+returns (``torch.equal``), stores what eager stores, and leaves its inputs and the model's
+parameters and buffers exactly as eager leaves them (eager runs a second, identical model), on
+every call, and whatever the caller kept still holds its step's values at the end:
 under ``"emulate"`` the model is called several times with new data of one batch size and of a
 second one, so warm-up, capture and replays all happen, into one memory pool that reuses freed
 memory as the CUDA caching allocator does, and a program with captured pieces must have
@@ -86,6 +90,12 @@ INPLACE = ("mul_", "add_", "clamp_", "sin_", "setitem")
 SIZE_USES = ("reshape", "new_ones", "scale", "expand")
 METADATA_CHANGES = ("t_", "transpose_", "as_strided_", "unsqueeze_")
 STORES = ("dict", "attr", "hook")
+# What the program does with the model's own state (a (D,) buffer kept between calls): read it,
+# write it in place (whole, through a slice view), or rebind it to a new tensor.
+STATE_OPS = ("read", "add_", "slice_copy_", "rebind")
+# What the caller does to the model between two calls (to both models, eager's and compiled's):
+# new weights in place, new weight tensors (load_state_dict(assign=True)), a new state tensor.
+RELOADS = ("copy_", "assign", "state")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +232,7 @@ class Interp(nn.Module):
         self.w0 = nn.Parameter(torch.rand(D, D) - 0.5)
         self.w1 = nn.Parameter(torch.rand(D, D) - 0.5)
         self.mods = nn.ModuleList([PropMlp(), PropMix()])
+        self.register_buffer("state", torch.rand(D) - 0.5)
         self.requires_grad_(False)
         # values the program stores through side effects (Dynamo returns them from the graph and
         # stores them after it runs): a dict entry, a module attribute, a forward hook's output
@@ -390,6 +401,16 @@ class Interp(nn.Module):
             regs.append(torch.ops.fxsplit_prop.stash(regs[ins[1] % n]))
         elif kind == "noisy":
             regs.append(torch.ops.fxsplit_prop.noisy(regs[ins[1] % n]))
+        elif kind == "state":
+            r = regs[ins[2] % n]
+            if ins[1] == "read":
+                regs.append(r + self.state)
+            elif ins[1] == "add_":
+                self.state.add_(r.sum(0) * 0.125)
+            elif ins[1] == "slice_copy_":
+                self.state[1:3].copy_(r[0, :2])
+            else:
+                self.state = self.state * 0.5 + r.mean(0)
         elif kind == "store":
             r = regs[ins[2] % n]
             if ins[1] == "dict":
@@ -429,6 +450,7 @@ class Case:
     keep: bool = False  # the caller keeps every step's outputs and stored values, read at the end
     late: tuple[int, ...] = ()  # extra warm-ups of piece i (cycled): pieces capture at later steps
     refuse_once: bool = False  # the first capture of every other piece is refused
+    reload: tuple[int, str] | None = None  # (step, one of RELOADS): the caller changes the model
     options: dict = field(default_factory=dict, compare=False)
 
 
@@ -464,6 +486,7 @@ OPS = st.one_of(
     st.tuples(st.just("meta"), st.sampled_from(METADATA_CHANGES), REG),
     st.tuples(st.just("rand"), REG),
     st.tuples(st.just("store"), st.sampled_from(STORES), REG),
+    st.tuples(st.just("state"), st.sampled_from(STATE_OPS), REG),
     # rarer (one slot for both): an eager op keeping its argument; random draws then a host read
     st.tuples(st.sampled_from(("stash", "noisy")), REG),
 )
@@ -526,6 +549,11 @@ def cases(draw):
         keep=draw(st.booleans()),
         late=tuple(draw(st.lists(st.integers(0, 1), max_size=3))),
         refuse_once=draw(st.integers(0, 3)) == 3,
+        reload=(
+            (draw(st.integers(1, 8)), draw(st.sampled_from(RELOADS)))
+            if draw(st.integers(0, 2)) == 2
+            else None
+        ),
         options=draw(
             st.fixed_dictionaries(
                 {},
@@ -568,6 +596,8 @@ FEATURES = (
     "metadata_inplace",
     "random",
     "side_effect_store",
+    "model_state",
+    "reloaded_between_calls",
     "kept_outputs",
     "late_capture",
     "on_capture_error=raise",
@@ -596,6 +626,7 @@ _OP_FEATURES = {
     "meta": "metadata_inplace",
     "rand": "random",
     "store": "side_effect_store",
+    "state": "model_state",
     "stash": "kept_by_eager_op",
     "noisy": "random_then_capture_error",
 }
@@ -644,6 +675,8 @@ def features(case: Case) -> set[str]:
     found.update(f"option:{k}" for k in case.options)
     if case.keep:
         found.add("kept_outputs")
+    if case.reload:
+        found.add("reloaded_between_calls")
     if any(case.late) or case.refuse_once:
         found.add("late_capture")
     if case.options.get("on_capture_error") == "raise":
@@ -693,7 +726,18 @@ def _schedule(case: Case) -> list[int]:
         # the first call of a size reads a fresh tensor, the rest the fed-back output, whose
         # layout may differ: Dynamo guards on strides, so that can be a graph of its own
         runs += 1
-    return [b1] * runs + [b2] * runs + [b1]
+    schedule = [b1] * runs + [b2] * runs + [b1]
+    if case.reload:
+        # moved weights or state drop the captured graphs: capture them again and replay
+        schedule += [schedule[case.reload[0] % len(schedule)]] * runs
+    return schedule
+
+
+def _reload_step(case: Case) -> int | None:
+    """The step before which the caller changes the model, if it does."""
+    if case.reload is None:
+        return None
+    return case.reload[0] % (len(_schedule(dataclasses.replace(case, reload=None))))
 
 
 def _same(a, b, exact: bool = True) -> bool:
@@ -833,9 +877,24 @@ def run_case(case: Case) -> fxsplit.Backend:
         return backend
 
 
+def _reload(model: Interp, how: str, step: int) -> None:
+    """What the caller does to ``model`` between calls (``how``: one of RELOADS)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    w0, w = torch.rand(D, D, generator=gen) - 0.5, torch.rand(D, D, generator=gen) - 0.5
+    if how == "copy_":
+        model.w0.copy_(w0)
+        model.mods[1].w.copy_(w)
+    elif how == "assign":
+        model.load_state_dict({"w0": w0, "mods.1.w": w}, strict=False, assign=True)
+    else:
+        model.state = torch.rand(D, generator=gen) - 0.5
+
+
 def _run_case(case: Case) -> fxsplit.Backend:
     torch._dynamo.reset()
     counters.reset()
+    # two identical models: state the program keeps between calls diverges otherwise
+    eager = Interp(case.program, case.outputs, case.host_outputs, seed=case.seed % 7)
     model = Interp(case.program, case.outputs, case.host_outputs, seed=case.seed % 7)
     options = {
         "runner": RUNNERS[case.runner],
@@ -886,12 +945,16 @@ def _run_case(case: Case) -> fxsplit.Backend:
                 for t, snap in held
                 if t is not xc and not _shares_storage(t, yc)  # a fed-back view may write it
             ]
+            if step == _reload_step(case):
+                with torch.no_grad():
+                    _reload(eager, case.reload[1], step)
+                    _reload(model, case.reload[1], step)
             with grad():
                 n = case.ints[step % 2]
                 torch.manual_seed(step)  # random ops draw the same numbers in both
                 STASH.clear()
-                expected = model(xe, ye, n)
-                stored_e = model.stored()
+                expected = eager(xe, ye, n)
+                stored_e = eager.stored()
                 stash_e = list(STASH)
                 STASH.clear()
                 torch.manual_seed(step)
@@ -920,6 +983,9 @@ def _run_case(case: Case) -> fxsplit.Backend:
             assert stored_e.keys() == stored_c.keys(), step
             for name, e in stored_e.items():
                 assert _same(e, stored_c[name], exact), f"step {step}: stored {name} differs"
+            state_e, state_c = eager.state_dict(), model.state_dict()
+            for name, e in state_e.items():
+                assert _same(e, state_c[name], exact), f"step {step}: model's {name} differs"
             assert _same(xe, xc, exact), f"step {step} (batch {b}): input x differs"
             if not fed:  # a fed-back output may be overwritten by this step's replay (documented)
                 assert _same(ye, yc, exact), f"step {step} (batch {b}): input y differs"
