@@ -401,7 +401,7 @@ class CapturedPiece(torch.nn.Module):
         for ident, ptr in entry.owned:
             runtime.static_outputs.pop(ident, None)
             runtime.pool.owners.pop(ptr, None)
-        runtime.pool.ledger.invalidate_order(entry.order, runtime.pool.step)
+        runtime.pool.ledger.release_order(entry.order, runtime.pool.step)
         runtime.pool.references.forget(ident for ident, _ in entry.owned)
         with runtime.pool.references.structural():
             entry.graph.reset()

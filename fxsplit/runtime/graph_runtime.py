@@ -156,7 +156,7 @@ class CaptureSession:
     def close(self) -> None:
         """Invalidate every output the pools handed out (their memory is about to go)."""
         for pool in self.pools.values():
-            pool.ledger.invalidate_all(self.step)
+            pool.ledger.release_all(self.step)
 
     def forget(self, graph: object) -> None:
         """Drop what is recorded for ``graph``."""

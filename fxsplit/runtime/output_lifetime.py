@@ -108,6 +108,7 @@ class OutputLedger:
         self._high = -1  # highest capture order among live hand-outs (a bound)
         self._stale: dict[int, tuple[StorageWeakRef, str, int]] = {}
         self.invalidated = 0  # hand-outs invalidated while referenced, in all
+        self.moved = 0  # hand-outs moved to memory of their own when their graph was freed
 
     def hand_out(
         self, value: torch.Tensor, storages: dict, order: int, step: int, graph_id: str
@@ -169,20 +170,21 @@ class OutputLedger:
                 if not handed.ref.expired():
                     self._invalidate(handed, step)
 
-    def invalidate_order(self, order: int, step: int) -> None:
-        """Invalidate the live hand-outs of the graph of capture order ``order`` (it is being
-        freed)."""
+    def release_order(self, order: int, step: int) -> None:
+        """The graph of capture order ``order`` is being freed: its live hand-outs move to
+        memory of their own (:meth:`_release`)."""
         for cdata, handed in list(self._live.items()):
             if handed.order == order:
                 del self._live[cdata]
                 if not handed.ref.expired():
-                    self._invalidate(handed, step)
+                    self._release(handed, step)
 
-    def invalidate_all(self, step: int) -> None:
-        """Invalidate every live hand-out (the pool's memory is being released)."""
+    def release_all(self, step: int) -> None:
+        """The pool's memory is being released: every live hand-out moves to memory of its own
+        (:meth:`_release`)."""
         for handed in self._live.values():
             if not handed.ref.expired():
-                self._invalidate(handed, step)
+                self._release(handed, step)
         self._live.clear()
         self._high = -1
 
@@ -214,19 +216,35 @@ class OutputLedger:
                 held.append(graph_id)
         return held
 
+    def _release(self, handed: _HandOut, step: int) -> None:
+        """Its graph is freed, so no replay will write it: where this torch can move a
+        storage, its values move to memory of their own and it stays readable (a model's state
+        rebound to an output survives a reset, as in eager); else it is invalidated."""
+        if _CAN_SWAP:
+            self.moved += 1
+            _move_out(handed.ref.cdata)
+        else:
+            self._invalidate(handed, step)
+
     def _invalidate(self, handed: _HandOut, step: int) -> None:
         self.invalidated += 1
         cdata = handed.ref.cdata
         if self.poison:
             _POISON(cdata, stale_message(handed.graph_id))
         else:
-            storage = torch.UntypedStorage._new_with_weak_ptr(cdata)
-            if storage is None:
-                return
-            copy = torch.UntypedStorage(storage.nbytes(), device=storage.device)
-            copy.copy_(storage)
-            storage._swap_data_ptr_(copy)
+            _move_out(cdata)
         self._stale[cdata] = (handed.ref, handed.graph_id, step)
+
+
+def _move_out(cdata: int) -> None:
+    """Give the storage ``cdata`` a copy of its values in memory of its own (outside any pool:
+    called between captures)."""
+    storage = torch.UntypedStorage._new_with_weak_ptr(cdata)
+    if storage is None:
+        return
+    copy = torch.UntypedStorage(storage.nbytes(), device=storage.device)
+    copy.copy_(storage)
+    storage._swap_data_ptr_(copy)
 
 
 class OutputReferences:

@@ -94,7 +94,7 @@ class MemoryPool:
     def renew(self, reason: str) -> None:
         """Every graph was dropped: invalidate what was handed out, and on CUDA take a fresh
         pool."""
-        self.ledger.invalidate_all(self.step)
+        self.ledger.release_all(self.step)
         self.owners.clear()
         if self.cuda is not None:
             self.cuda.renew(reason)
