@@ -416,6 +416,18 @@ def test_cli_dump_options_and_runner(tmp_path, capsys, monkeypatch):
     assert os.environ["FXSPLIT_DUMP_DIR"] == str(tmp_path / "env")
 
 
+@pytest.mark.parametrize("command", ["dump", "diff"])
+def test_cli_warns_of_an_option_that_matched_nothing(command, tmp_path, monkeypatch):
+    """dump and diff call the model once: what matched nothing is judged after that call (the
+    backend judges at a second call, which the CLI never makes)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    options = json.dumps({"splitting_ops": ["aten::topkk"]})
+    argv = [command, "tests.test_dump:tiny_factory", "--options", options]
+    argv += ["--out", str(tmp_path)] if command == "dump" else []
+    with pytest.warns(fxsplit.FxsplitWarning, match="'aten::topkk'.*matched no node"):
+        assert cli.main(argv) == 0
+
+
 def test_cli_dump_deepseek_v4(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     argv = ["dump", "fxsplit.models.deepseek_v4:example", "--runner", "v1", "--out", str(tmp_path)]

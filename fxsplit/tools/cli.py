@@ -113,6 +113,7 @@ def _compile(spec: str, factory, options: dict):
     torch._dynamo.reset()
     with _no_env_dump_dir(), torch.no_grad():
         torch.compile(model, backend=recording, dynamic=True)(*args, **kwargs)
+    backend.checks.warn()  # the call compiled every graph: a pattern that matched nothing shows
     records = [
         (split, code, inputs)
         for split, (code, inputs) in zip(backend.compiled, codes, strict=False)
