@@ -81,6 +81,8 @@ def test_demo_tp_below_one_is_a_usage_error(capsys):
     assert "--tp 0: needs N >= 1" in capsys.readouterr().err
     assert cli.main(["demo", "--tp", "2", "--model", "LlamaForCausalLM"]) == 2
     assert "--tp runs the DeepSeek-V4 reference model only" in capsys.readouterr().err
+    assert cli.main(["demo", "--tp", "1", "--compile-pieces", "inductor"]) == 2
+    assert "drop --compile-pieces inductor" in capsys.readouterr().err
 
 
 @pytest.mark.usefixtures("fresh_capture_state")

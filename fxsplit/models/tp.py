@@ -64,9 +64,9 @@ def shard_range(total: int, group, what: str) -> tuple[int, int]:
     """
     rank, size = rank_and_size(group)
     if total % size:
+        sizes = ", ".join(str(d) for d in range(1, total + 1) if total % d == 0)
         raise ValueError(
-            f"tensor-parallel size {size} does not divide {what} ({total}); use a size that "
-            f"divides it"
+            f"tensor-parallel size {size} does not divide {what} ({total}); use one of {sizes}"
         )
     block = total // size
     return rank * block, (rank + 1) * block

@@ -286,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        if args.compile_pieces != "auto":
+            print(
+                f"fxsplit demo: error: --tp runs its pieces as generated Python on CPU "
+                f"processes; drop --compile-pieces {args.compile_pieces} (or --tp)",
+                file=sys.stderr,
+            )
+            return 2
         from fxsplit.tools import tp_demo
 
         return tp_demo.run(args.tp)

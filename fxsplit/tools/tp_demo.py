@@ -203,7 +203,7 @@ def run(world_size: int) -> int:
     if errors:
         for error, ranks in errors.items():
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-            console.print(f"[red]{who}: {error}[/]", highlight=False)
+            console.print(f"[red]{who}: {error}[/]", highlight=False, soft_wrap=True)
         return 1
     console.print(render(results, world_size))
     ok = all(row["ok"] for row in _rows(results))
