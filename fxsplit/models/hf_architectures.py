@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxsplit.models.hf_deepseek_v4 import MIN_TRANSFORMERS, _version_tuple
+from fxsplit.models.hf_deepseek_v4 import INSTALL_HINT, MIN_TRANSFORMERS, _version_tuple
 from fxsplit.models.hf_deepseek_v4 import tiny_config as _deepseek_v4_config
 
 __all__ = [
@@ -376,7 +376,7 @@ def tiny_config(name: str):
     if not shipped(arch.name):
         raise ImportError(
             f"{arch.name} needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))} with "
-            f"that class (pip install 'fxsplit[hf]')"
+            f"that class ({INSTALL_HINT})"
         )
     if arch.name == "DeepseekV4ForCausalLM":
         return _deepseek_v4_config(**arch.options())

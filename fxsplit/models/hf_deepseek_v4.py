@@ -46,6 +46,7 @@ from torch import nn
 
 __all__ = [
     "ENGINE_MODULE_REGIONS",
+    "INSTALL_HINT",
     "MIN_TRANSFORMERS",
     "MODULE_REGIONS",
     "LogitsOnly",
@@ -57,6 +58,8 @@ __all__ = [
 ]
 
 MIN_TRANSFORMERS = (5, 8, 1)
+# what pyproject.toml's "hf" extra installs (transformers' Inkling model imports scipy)
+INSTALL_HINT = "pip install 'transformers>=5.8.1' 'scipy>=1.10'"
 
 # Module class -> fxsplit region (see fxsplit.regions / fxsplit.runners).
 # Only the lightning indexer is marked: it is the DSA-specific piece an engine keeps out of its
@@ -110,7 +113,7 @@ def _require() -> None:
         raise ImportError(
             "fxsplit.models.hf_deepseek_v4 needs transformers >= "
             + ".".join(map(str, MIN_TRANSFORMERS))
-            + " with DeepseekV4ForCausalLM (pip install 'fxsplit[hf]')"
+            + f" with DeepseekV4ForCausalLM ({INSTALL_HINT})"
         )
 
 

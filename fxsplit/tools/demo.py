@@ -428,7 +428,7 @@ def run(
     else:
         console.print(
             "skipped the transformers section: it needs transformers >= 5.8.1 with "
-            "DeepseekV4ForCausalLM (pip install 'transformers>=5.8.1')"
+            f"DeepseekV4ForCausalLM ({hf_deepseek_v4.INSTALL_HINT})"
         )
     console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")
     return 0 if ok else 1
