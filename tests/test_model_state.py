@@ -127,3 +127,69 @@ def test_backend_reset_between_calls_leaves_rebound_state_readable():
             assert torch.equal(model(x), eager(x)), step
             assert torch.equal(net.t, eager.t), step
     assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+class _StateWithInt(nn.Module):
+    """Rebinds its state every call; the int argument makes one graph per value (static
+    shapes), so the state one graph rebinds is read by the other."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("t", torch.rand(D) - 0.5)
+
+    def forward(self, x, n):
+        self.t = self.t * 0.5 + x.mean(0)
+        h = (x + torch.tensor([0.5, -1.0, 2.0, 0.25])) * n + n % 2
+        with fxsplit.region(fxsplit.ATTN_PREP):
+            h = h.relu()
+        return h + self.t
+
+
+def test_state_rebound_by_one_graph_and_read_by_another_follows_eager():
+    """graph_1 (n=1) first sees t as graph_0's output; at its next call t is graph_0's next
+    output, which the pool put at the same address: bound by address, the replay read what
+    the address held at graph_1's own order, silently wrong (found by the property test)."""
+    eager = _StateWithInt()
+    net = copy.deepcopy(eager)
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=0, runner="v1")
+    model = torch.compile(net, backend=backend, dynamic=False)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(8):
+            n = step % 2
+            x = torch.randn(1 + step // 4, D, generator=gen)
+            assert torch.equal(model(x, n), eager(x, n)), step
+            assert torch.equal(net.t, eager.t), step
+    assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+@pytest.mark.parametrize("warmup_runs", [0, 1])
+def test_weights_written_through_data_after_two_reloads_follow_eager(warmup_runs):
+    """Weights reloaded on two consecutive calls are copied like runner inputs; a write through
+    .data (weight loaders) leaves the version counter as it was, so skipping the copy on an
+    unchanged version replayed the old weights (diff 1.1). Once they hold still for 3 calls
+    they are read by address again (one recapture)."""
+    eager = _Rebinding()
+    net = copy.deepcopy(eager)
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs, runner="v1")
+    model = torch.compile(net, backend=backend, dynamic=True)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(10):
+            if step in (2, 3):
+                new = {"lin.weight": torch.randn(D, D, generator=g)}
+                for m in (eager, net):
+                    m.load_state_dict(copy.deepcopy(new), strict=False, assign=True)
+            if step in (4 + warmup_runs, 8):
+                w = torch.randn(D, D, generator=g)
+                for m in (eager, net):
+                    m.lin.weight.data.copy_(w)
+            x = _x(step)
+            assert torch.equal(model(x), eager(x)), step
+            assert torch.equal(net.t, eager.t), step
+    runtime = backend.runtimes[0]
+    assert not any("weight" in name for name in runtime._volatile), runtime._volatile
+    assert fxsplit.counters.snapshot()["replays"] > 0

@@ -94,8 +94,10 @@ STORES = ("dict", "attr", "hook")
 # write it in place (whole, through a slice view), or rebind it to a new tensor.
 STATE_OPS = ("read", "add_", "slice_copy_", "rebind")
 # What the caller does to the model between two calls (to both models, eager's and compiled's):
-# new weights in place, new weight tensors (load_state_dict(assign=True)), a new state tensor.
-RELOADS = ("copy_", "assign", "state")
+# new weights in place (through the parameter, or through .data as weight loaders do, which
+# leaves the version counter as it was), new weight tensors (load_state_dict(assign=True)), on
+# two consecutive calls too (then fxsplit copies them like runner inputs), a new state tensor.
+RELOADS = ("copy_", "data_copy_", "assign", "assign_twice", "state")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,7 +452,7 @@ class Case:
     keep: bool = False  # the caller keeps every step's outputs and stored values, read at the end
     late: tuple[int, ...] = ()  # extra warm-ups of piece i (cycled): pieces capture at later steps
     refuse_once: bool = False  # the first capture of every other piece is refused
-    reload: tuple[int, str] | None = None  # (step, one of RELOADS): the caller changes the model
+    reloads: tuple[tuple[int, str], ...] = ()  # (step, one of RELOADS): the caller changes it
     options: dict = field(default_factory=dict, compare=False)
 
 
@@ -549,10 +551,13 @@ def cases(draw):
         keep=draw(st.booleans()),
         late=tuple(draw(st.lists(st.integers(0, 1), max_size=3))),
         refuse_once=draw(st.integers(0, 3)) == 3,
-        reload=(
-            (draw(st.integers(1, 8)), draw(st.sampled_from(RELOADS)))
-            if draw(st.integers(0, 2)) == 2
-            else None
+        reloads=tuple(
+            draw(
+                st.lists(
+                    st.tuples(st.integers(1, 10), st.sampled_from(RELOADS)),
+                    max_size=2 if draw(st.integers(0, 2)) == 2 else 0,
+                )
+            )
         ),
         options=draw(
             st.fixed_dictionaries(
@@ -675,7 +680,7 @@ def features(case: Case) -> set[str]:
     found.update(f"option:{k}" for k in case.options)
     if case.keep:
         found.add("kept_outputs")
-    if case.reload:
+    if case.reloads:
         found.add("reloaded_between_calls")
     if any(case.late) or case.refuse_once:
         found.add("late_capture")
@@ -727,17 +732,24 @@ def _schedule(case: Case) -> list[int]:
         # layout may differ: Dynamo guards on strides, so that can be a graph of its own
         runs += 1
     schedule = [b1] * runs + [b2] * runs + [b1]
-    if case.reload:
-        # moved weights or state drop the captured graphs: capture them again and replay
-        schedule += [schedule[case.reload[0] % len(schedule)]] * runs
+    if case.reloads:
+        # moved weights or state drop the captured graphs (rebound ones, once they hold still,
+        # too): capture them again and replay
+        last = max(_reloads(case, len(schedule)))
+        schedule += [schedule[min(last, len(schedule) - 1)]] * (runs + 3)
     return schedule
 
 
-def _reload_step(case: Case) -> int | None:
-    """The step before which the caller changes the model, if it does."""
-    if case.reload is None:
-        return None
-    return case.reload[0] % (len(_schedule(dataclasses.replace(case, reload=None))))
+def _reloads(case: Case, steps: int) -> dict[int, list[str]]:
+    """The steps before which the caller changes the model, with what it does (``steps``: the
+    schedule's length without the calls added for them)."""
+    found: dict[int, list[str]] = {}
+    for at, how in case.reloads:
+        at %= steps
+        found.setdefault(at, []).append(how)
+        if how == "assign_twice":
+            found.setdefault(at + 1, []).append(how)
+    return found
 
 
 def _same(a, b, exact: bool = True) -> bool:
@@ -884,7 +896,10 @@ def _reload(model: Interp, how: str, step: int) -> None:
     if how == "copy_":
         model.w0.copy_(w0)
         model.mods[1].w.copy_(w)
-    elif how == "assign":
+    elif how == "data_copy_":
+        model.w0.data.copy_(w0)
+        model.mods[1].w.data.copy_(w)
+    elif how in ("assign", "assign_twice"):
         model.load_state_dict({"w0": w0, "mods.1.w": w}, strict=False, assign=True)
     else:
         model.state = torch.rand(D, generator=gen) - 0.5
@@ -919,6 +934,7 @@ def _run_case(case: Case) -> fxsplit.Backend:
     grad = contextlib.nullcontext if case.outer_grad else torch.no_grad
     gen = torch.Generator().manual_seed(case.seed)
     schedule = _schedule(case)
+    reloads = _reloads(case, len(_schedule(dataclasses.replace(case, reloads=()))))
     expected = got = None
     stashed: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (eager's, compiled's, step)
     with warnings.catch_warnings(record=True) as seen, _no_gc():
@@ -945,10 +961,10 @@ def _run_case(case: Case) -> fxsplit.Backend:
                 for t, snap in held
                 if t is not xc and not _shares_storage(t, yc)  # a fed-back view may write it
             ]
-            if step == _reload_step(case):
+            for how in reloads.get(step, ()):
                 with torch.no_grad():
-                    _reload(eager, case.reload[1], step)
-                    _reload(model, case.reload[1], step)
+                    _reload(eager, how, step)
+                    _reload(model, how, step)
             with grad():
                 n = case.ints[step % 2]
                 torch.manual_seed(step)  # random ops draw the same numbers in both

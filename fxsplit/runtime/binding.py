@@ -76,6 +76,10 @@ class InputSpec:
         kind: ``PARAM``, ``RUNNER``, ``INTERNAL`` or ``HOST``.
         symbolic: a tensor with a symbolic (dynamic) dimension: its shape is part of the key.
         written: the piece writes its data (from :mod:`fxsplit.passes.aliasing`).
+        rebound: a parameter or buffer that moved on consecutive calls (the model rebinds it,
+            or weights were reloaded twice), now copied like a runner input: its version
+            counter is not trusted to tell a change, since weight loaders write through
+            ``.data``, which leaves it as it was.
     """
 
     name: str
@@ -83,6 +87,7 @@ class InputSpec:
     kind: str
     symbolic: bool = False
     written: bool = False
+    rebound: bool = False
 
 
 def is_static_input(node: Node) -> bool:
@@ -202,5 +207,6 @@ def classify(
         if kind == INTERNAL and value is None:
             # No traced value (a plain torch.fx graph): treat as a tensor and bind at run time.
             symbolic = True
-        specs.append(InputSpec(node.name, source, kind, symbolic, i in written))
+        rebound = node.op == "placeholder" and node.name in volatile
+        specs.append(InputSpec(node.name, source, kind, symbolic, i in written, rebound))
     return specs

@@ -60,16 +60,22 @@ class _OwnBuffer:
     held once), or an earlier captured piece's output read where it lies (``pooled``: memory
     of the pool, whose handed-out outputs a copy into it must invalidate first); ``mark``
     remembers the value last copied in (see
-    :meth:`~fxsplit.runtime.graph_runtime.CaptureSession.sync_mark`)."""
+    :meth:`~fxsplit.runtime.graph_runtime.CaptureSession.sync_mark`), never for a ``rebound``
+    parameter (see :class:`~fxsplit.runtime.binding.InputSpec`): that one is copied every call."""
 
-    __slots__ = ("mark", "pooled", "region", "source", "static")
+    __slots__ = ("mark", "pooled", "rebound", "region", "source", "static")
 
     def __init__(self, static, region, source, pooled: bool = False):
         self.static = static
         self.region = region  # the flat memory under an overlapping (expanded) buffer
         self.source = source  # weak reference to the caller's storage it mirrors
         self.pooled = pooled
+        self.rebound = False
         self.mark = None
+
+    def remember(self, session, value: torch.Tensor) -> None:
+        """``value`` was just copied in: remember it, unless it is a rebound parameter."""
+        self.mark = None if self.rebound else session.sync_mark(value)
 
 
 class _Entry:
@@ -243,7 +249,7 @@ class CapturedPiece(torch.nn.Module):
                     f"input {self.specs[i].name!r} overlaps itself (e.g. expanded) and this "
                     "call's strides differ from the capture's"
                 )
-            buffer.mark = self.runtime.session.sync_mark(value)
+            buffer.remember(self.runtime.session, value)
             counts = entry.counts
             counts["input_copies"] += 1
             counts["input_copy_bytes"] += value.nbytes
@@ -282,7 +288,7 @@ class CapturedPiece(torch.nn.Module):
             value = inputs[i]
             if bind is _OWN and value is not static:
                 value.copy_(static)
-                buffer.mark = session.sync_mark(value)
+                buffer.remember(session, value)
             elif not static.is_inference():
                 # A CUDA graph's writes bypass the version counter; keep it truthful.
                 _increment_version(static)
@@ -448,7 +454,7 @@ class CapturedPiece(torch.nn.Module):
             else:
                 bind = binding.bind(spec, runtime.binding, session.produced(value))
                 if bind is _OWN:
-                    buffer = runtime.own_buffer(value)
+                    buffer = runtime.own_buffer(value, spec.rebound)
             binds.append(bind)
             buffers.append(buffer)
             statics.append(buffer.static if buffer is not None else value)
@@ -458,7 +464,7 @@ class CapturedPiece(torch.nn.Module):
             guard.check(self.specs, inputs)
         for i, buffer in enumerate(buffers):
             if buffer is not None and buffer.static is not inputs[i] and buffer.mark is None:
-                buffer.mark = session.sync_mark(inputs[i])
+                buffer.remember(session, inputs[i])
         graph = pool.new_graph(self.generators)
         # The emulator runs the piece while recording; if the capture then fails, the fallback
         # run must find what the piece writes as it was (a CUDA capture executes nothing).

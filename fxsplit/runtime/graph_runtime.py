@@ -34,6 +34,9 @@ from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 log = logging.getLogger("fxsplit")
 
 _GRAD = "grad is enabled and an input requires grad"
+# Calls a rebound parameter must hold still before it is read by address again: a model that
+# rebinds its state hands a new tensor every call, so it never gets there.
+_SETTLED = 3
 
 
 class CaptureSession:
@@ -296,6 +299,8 @@ class GraphRuntime:
         self._steps = 0
         self._recaptures: list[int] = []  # steps at which a parameter move dropped the graphs
         self._moves: dict[int, int] = {}  # placeholder index -> the last step it moved on
+        # rebound placeholder index -> (weak reference, address, calls it held still)
+        self._settling: dict[int, tuple] = {}
         self._entered = frame is None or frame.entered
 
         stitched = split.materialised.stitched
@@ -399,6 +404,8 @@ class GraphRuntime:
                 if rebound:  # buffers the model rebinds to its outputs, copied before the reset
                     args = _with_copies(args, rebound)
                     handed = [*(handed or ()), *rebound]
+            if self._volatile:
+                self._check_settled(args)
         session.enter()
         out = ()
         try:
@@ -464,15 +471,17 @@ class GraphRuntime:
             result[j] = ledger.hand_out(o, storages, order, step, graph_id)
         return tuple(result)
 
-    def own_buffer(self, value: torch.Tensor):
+    def own_buffer(self, value: torch.Tensor, rebound: bool = False):
         """fxsplit's static buffer for the caller's ``value`` holding its values, shared by
         every piece and capture key of this graph that captured the same view of the same
-        tensor."""
+        tensor; ``rebound``: ``value`` is a rebound parameter (copied every call)."""
         key = captured_buffer_key(value)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.source.expired():
             buffer = self._buffers[key] = new_own_buffer(value)
+            buffer.rebound = rebound
             return buffer
+        buffer.rebound |= rebound
         mark = buffer.mark
         if not (
             mark is not None
@@ -488,7 +497,7 @@ class GraphRuntime:
             )
             with torch.no_grad():
                 target.copy_(source)
-            buffer.mark = self.session.sync_mark(value)
+            buffer.remember(self.session, value)
         return buffer
 
     def is_frozen_memory(self, value: torch.Tensor) -> bool:
@@ -534,7 +543,11 @@ class GraphRuntime:
         if self._param_ptrs is None:
             self._param_ptrs = ptrs
             self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
-            return
+            # An output of a compiled graph (another graph's, rebound by the model as its
+            # state): its memory is the pool's, where a later output of that graph can land at
+            # the same address, so the address says nothing of whether it is the same tensor.
+            produced = [i for i in self._params if self.session.produced(args[i])]
+            return self._rebind(produced, args) if produced else None
         if ptrs == self._param_ptrs:
             return
         moved = [i for i, a, b in zip(self._params, ptrs, self._param_ptrs, strict=True) if a != b]
@@ -564,18 +577,20 @@ class GraphRuntime:
             self._note_recapture("parameters or buffers moved (load_state_dict(assign=True)?)")
 
     def _rebind(self, indices: list[int], args) -> list | None:
-        """Static inputs that moved on two consecutive steps are rebound by the model itself
-        (``self.t = self.t + 1``): from now on they are fxsplit's to copy, like runner inputs.
+        """Static inputs that moved on two consecutive steps, or are outputs of a compiled graph,
+        are rebound by the model itself (``self.t = self.t + 1``): from now on they are
+        fxsplit's to copy, like runner inputs, until they hold still (:meth:`_check_settled`).
         Those that are earlier outputs are copied first (returned, see :meth:`_take_over`): the
         reset invalidates what this graph handed out, and this step still reads them."""
         names = [self._placeholders[i].name for i in indices]
         self._warn_once(
             "rebound:" + ",".join(names),
             f"fxsplit {self.graph_id}: {', '.join(names)} (a parameter or buffer) moved on "
-            "consecutive calls, so fxsplit now copies it like a runner input instead of "
-            "recapturing. Either the model rebinds it in forward (update it in place with copy_ "
-            "to avoid the copy), or several instances of one module class call this compiled "
-            "graph (compile each with its own fxsplit.Backend).",
+            "consecutive calls or is an output of a compiled graph, so fxsplit now copies it "
+            "like a runner input, every call, instead of recapturing. Either the model rebinds "
+            "it in forward (update it in place with copy_ to avoid the copy), or several "
+            "instances of one module class call this compiled graph (compile each with its own "
+            "fxsplit.Backend).",
         )
         self._volatile.update(names)
         self._params = [i for i in self._params if i not in indices]
@@ -588,6 +603,41 @@ class GraphRuntime:
         self.reset()
         self.pieces = self._install()
         return taken
+
+    def _check_settled(self, args) -> None:
+        """Rebound parameters that were the same tensor at the same address, in the caller's
+        memory, for the last ``_SETTLED`` calls are read by address again (weights reloaded on
+        two consecutive calls, then left alone): a rebound one is copied every call."""
+        settled = []
+        for i in self._runner_inputs:
+            if self._placeholders[i].name not in self._volatile:
+                continue
+            value = args[i]
+            ref, ptr, calls = self._settling.get(i, (None, None, 0))
+            if ref is not None and ref() is value and ptr == value.data_ptr():
+                calls += 1
+            else:
+                ref, ptr, calls = weakref.ref(value), value.data_ptr(), 1
+            self._settling[i] = (ref, ptr, calls)
+            if calls >= _SETTLED and not self.session.produced(value):
+                settled.append(i)
+        if not settled:
+            return
+        log.info(
+            "fxsplit %s: %s held still for %d calls: read by address again, recapturing",
+            self.graph_id,
+            ", ".join(self._placeholders[i].name for i in settled),
+            _SETTLED,
+        )
+        for i in settled:
+            self._volatile.discard(self._placeholders[i].name)
+            del self._settling[i]
+        self._runner_inputs = [i for i in self._runner_inputs if i not in settled]
+        self._params = sorted({*self._params, *settled})
+        self._param_ptrs = tuple(args[i].data_ptr() for i in self._params)
+        self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
+        self.reset()
+        self.pieces = self._install()
 
     def _note_recapture(self, reason: str) -> None:
         """Warn once when the graph recaptured more than a few times within a few steps."""
