@@ -65,7 +65,11 @@ class CaptureSession:
         self.step = 0
         self.pools: dict[tuple[str, torch.device], MemoryPool] = {}
         self._called: set[int] = set()  # graphs called in this step
-        self._outputs: dict[int, dict[int, StorageWeakRef]] = {}  # graph -> its last outputs
+        # graph -> its last call's outputs: storage -> (weak reference, graph id, position)
+        self._outputs: dict[int, dict[int, tuple[StorageWeakRef, str, int]]] = {}
+        # graph -> the outputs of its calls that are still alive, in the same form; kept when
+        # the graph is reset (its outputs may be the model's state)
+        self._origins: dict[int, dict[int, tuple[StorageWeakRef, str, int]]] = {}
         self._taken: dict[int, StorageWeakRef] = {}  # private copies of a call under way
         self._warned_held = False
         self._warned_kept: set[tuple[str, str]] = set()
@@ -122,8 +126,8 @@ class CaptureSession:
         if cdata in self._taken:
             return True
         for outputs in self._outputs.values():
-            ref = outputs.get(cdata)
-            if ref is not None and not ref.expired():
+            found = outputs.get(cdata)
+            if found is not None and not found[0].expired():
                 return True
         if not self.pools:
             return False
@@ -138,12 +142,26 @@ class CaptureSession:
         what the call was handed (those are the caller's)."""
         theirs = {a.untyped_storage()._cdata for a in args if _is_strided(a)}
         refs = {}
-        for o in out:
+        for slot, o in enumerate(out):
             if _is_strided(o):
                 storage = o.untyped_storage()
                 if storage._cdata not in refs and storage._cdata not in theirs:
-                    refs[storage._cdata] = StorageWeakRef(storage)
+                    refs[storage._cdata] = (StorageWeakRef(storage), graph.graph_id, slot)
         self._outputs[id(graph)] = refs
+        origins = self._origins.setdefault(id(graph), {})
+        for cdata in [cdata for cdata, found in origins.items() if found[0].expired()]:
+            del origins[cdata]
+        origins.update(refs)
+
+    def output_slot(self, tensor: torch.Tensor) -> tuple[str, int] | None:
+        """``(graph id, output position)`` of the output of a call of a graph, still alive,
+        that ``tensor`` is (or views), else None."""
+        cdata = tensor.untyped_storage()._cdata
+        for outputs in self._origins.values():
+            found = outputs.get(cdata)
+            if found is not None and not found[0].expired():
+                return found[1], found[2]
+        return None
 
     def take(self, handed: list) -> None:
         """The private copies of earlier outputs a call reads instead (see
@@ -394,6 +412,8 @@ class GraphRuntime:
         handed = None
         self.capture_step = self._may_capture(args)
         if self.capture_step:
+            if self._volatile and pool is not None:
+                self._keep_state(args)
             # Earlier outputs handed back in are read before anything (a parameter move's
             # recapture included) may invalidate their memory.
             if pool is not None:
@@ -468,7 +488,7 @@ class GraphRuntime:
         for j in mine:
             o = out[j]
             order = owners[storage_ptr(o)]
-            result[j] = ledger.hand_out(o, storages, order, step, graph_id)
+            result[j] = ledger.hand_out(o, storages, order, step, graph_id, j)
         return tuple(result)
 
     def own_buffer(self, value: torch.Tensor, rebound: bool = False):
@@ -599,10 +619,27 @@ class GraphRuntime:
         # next step's move for the first look, and a graph captured on the old weights replayed.
         self._param_ptrs = tuple(args[i].data_ptr() for i in self._params)
         self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
-        taken = self._take_over(args, indices) if self.pool is not None else None
+        taken = None
+        if self.pool is not None:
+            self._keep_state(args)
+            taken = self._take_over(args, indices)
         self.reset()
         self.pieces = self._install()
         return taken
+
+    def _keep_state(self, args) -> None:
+        """The outputs the model rebinds its parameters or buffers to are its state: tell the
+        ledger which graph output each came from (:meth:`OutputLedger.keep_as_state`)."""
+        ledger = self.pool.ledger
+        for i in self._runner_inputs:
+            if self._placeholders[i].name in self._volatile:
+                handed = ledger.handed_out(args[i])
+                if handed is not None:
+                    found = handed.graph_id, handed.slot
+                else:
+                    found = self.session.output_slot(args[i])
+                if found is not None:
+                    ledger.keep_as_state(args[i], *found)
 
     def _check_settled(self, args) -> None:
         """Rebound parameters that were the same tensor at the same address, in the caller's

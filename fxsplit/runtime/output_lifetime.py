@@ -91,6 +91,8 @@ class _HandOut:
     ref: StorageWeakRef
     graph_id: str
     ptr: int  # the memory's address
+    slot: int  # its position among the graph's outputs
+    state: bool  # the model keeps that output as its state (see OutputLedger.keep_as_state)
 
 
 class OutputLedger:
@@ -107,15 +109,22 @@ class OutputLedger:
         self._live: dict[int, _HandOut] = {}  # storage cdata -> hand-out
         self._high = -1  # highest capture order among live hand-outs (a bound)
         self._stale: dict[int, tuple[StorageWeakRef, str, int]] = {}
+        self._state_slots: set[tuple[str, int]] = set()  # (graph, output position)
         self.invalidated = 0  # hand-outs invalidated while referenced, in all
         self.moved = 0  # hand-outs moved to memory of their own when their graph was freed
 
     def hand_out(
-        self, value: torch.Tensor, storages: dict, order: int, step: int, graph_id: str
+        self,
+        value: torch.Tensor,
+        storages: dict,
+        order: int,
+        step: int,
+        graph_id: str,
+        slot: int,
     ) -> torch.Tensor:
-        """``value`` (a tensor in the pool, written by the graph of capture order ``order``) as
-        a fresh tensor over a fresh storage object; tensors of one storage share one (through
-        ``storages``, one dict per call)."""
+        """``value`` (output ``slot`` of ``graph_id``, a tensor in the pool, written by the
+        graph of capture order ``order``) as a fresh tensor over a fresh storage object;
+        tensors of one storage share one (through ``storages``, one dict per call)."""
         source = value.untyped_storage()
         ptr = source.data_ptr()
         storage = storages.get(ptr)
@@ -124,7 +133,8 @@ class OutputLedger:
                 ptr, value.device, source.nbytes()
             )
             ref = StorageWeakRef(storage)
-            self._live[ref.cdata] = _HandOut(order, step, ref, graph_id, ptr)
+            state = (graph_id, slot) in self._state_slots
+            self._live[ref.cdata] = _HandOut(order, step, ref, graph_id, ptr, slot, state)
             if order > self._high:
                 self._high = order
         return view_over(storage, value)
@@ -139,6 +149,18 @@ class OutputLedger:
         if found is None or found.ref.expired():
             return None
         return found
+
+    def keep_as_state(self, tensor: torch.Tensor, graph_id: str, slot: int) -> None:
+        """``tensor``, output ``slot`` of ``graph_id``, came back as a parameter or buffer the
+        model rebinds (``self.t = <output>``): what that graph hands out at that position is
+        the model's state, read at its next call, maybe after replays of other graphs (two
+        instances of one module, two models on one backend). Such a hand-out is moved to
+        memory of its own before a replay overwrites it, not invalidated: a copy of the state
+        where eager would have kept it (none where the model reads it back first)."""
+        self._state_slots.add((graph_id, slot))
+        handed = self.handed_out(tensor)
+        if handed is not None:
+            handed.state = True
 
     def adopt(self, tensor: torch.Tensor) -> None:
         """Forget ``tensor``'s hand-out: the runtime took its memory over for this call."""
@@ -155,7 +177,7 @@ class OutputLedger:
                 del self._live[cdata]
             elif handed.order >= order:
                 del self._live[cdata]
-                self._invalidate(handed, step)
+                self._overwritten(handed, step)
             elif handed.order > high:
                 high = handed.order
         self._high = high
@@ -168,7 +190,7 @@ class OutputLedger:
             if handed.ptr == ptr:
                 del self._live[cdata]
                 if not handed.ref.expired():
-                    self._invalidate(handed, step)
+                    self._overwritten(handed, step)
 
     def release_order(self, order: int, step: int) -> None:
         """The graph of capture order ``order`` is being freed: its live hand-outs move to
@@ -215,6 +237,15 @@ class OutputLedger:
             elif step < before_step:
                 held.append(graph_id)
         return held
+
+    def _overwritten(self, handed: _HandOut, step: int) -> None:
+        """A write is about to reuse ``handed``'s memory: the model's state moves (where this
+        torch can move a storage), anything else is invalidated."""
+        if handed.state and _CAN_SWAP:
+            self.moved += 1
+            _move_out(handed.ref.cdata)
+        else:
+            self._invalidate(handed, step)
 
     def _release(self, handed: _HandOut, step: int) -> None:
         """Its graph is freed, so no replay will write it: where this torch can move a
