@@ -3,6 +3,8 @@ a CaptureError and an uncaptured piece; never a wrong number."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized
@@ -71,6 +73,18 @@ def test_capturable_hops_are_captured_and_replayed(fn, kwargs):
     counts = _run(fn, sizes, **kwargs)
     assert counts["captures"] == len(set(sizes))
     assert counts["replays"] == len(sizes) - 2 * len(set(sizes))
+
+
+def test_a_branch_in_a_capture_key_reads_as_its_address():
+    """torch.cond's branch (a GraphModule) is a host value of the key: its text was its code."""
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
+    compiled = torch.compile(_host_cond, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for n in (8, 2):
+            compiled(torch.randn(n))
+    keys = [k for pieces in backend.stats.values() for p in pieces.values() for k in p]
+    branch = r"int \d+(, GraphModule at 0x[0-9a-f]+)+, \d+"
+    assert keys and all(re.fullmatch(branch, k) for k in keys), keys
 
 
 @pytest.mark.parametrize("fn", [_tensor_cond, _while], ids=["cond_tensor_predicate", "while"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 from fxsplit import counters
 
 
@@ -52,12 +54,15 @@ class PieceStats:
 
 def key_text(key: tuple) -> str:
     """A capture key as text: ``"4, (4, 8), float 2.0, bool True"``: a size or a shape as is,
-    a host value with its type (so ``1``, ``1.0`` and ``True`` stay three keys)."""
+    a host value with its type (so ``1``, ``1.0`` and ``True`` stay three keys), a module (a
+    branch of ``torch.cond``) by its address."""
     parts = []
     for part in key:
         if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
             cls, value = part
-            parts.append(f"{cls.__name__} {value}")
+            # a module (a higher-order op's branch) is keyed by identity; its text is its code
+            shown = f"at 0x{id(value):x}" if isinstance(value, torch.nn.Module) else value
+            parts.append(f"{cls.__name__} {shown}")
         else:
             parts.append(str(tuple(part)) if isinstance(part, tuple) else str(part))
     return ", ".join(parts)
