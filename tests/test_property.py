@@ -935,6 +935,15 @@ def _run_case(case: Case) -> fxsplit.Backend:
     gen = torch.Generator().manual_seed(case.seed)
     schedule = _schedule(case)
     reloads = _reloads(case, len(_schedule(dataclasses.replace(case, reloads=()))))
+    # One eager call of each model first, on the same data: what the program stores (a dict
+    # entry, an attribute) exists when Dynamo first traces, so its guards hold from the second
+    # call (a recompile there would shift the schedule's captures past its end)
+    prime = torch.randn(schedule[0], D, generator=torch.Generator().manual_seed(case.seed + 1))
+    with grad():
+        for m in (eager, model):
+            torch.manual_seed(len(schedule))
+            m(prime.clone(), prime.clone(), case.ints[0])
+    STASH.clear()
     expected = got = None
     stashed: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (eager's, compiled's, step)
     with warnings.catch_warnings(record=True) as seen, _no_gc():
@@ -1414,3 +1423,31 @@ def test_regression_a_piece_capture_rejects_at_the_only_capture_size_replays_not
     options = {"capture_sizes": (1,), "on_capture_error": "raise"}
     case = Case((("noisy", 0),), outputs=(0,), dynamic=False, sizes=(1, 2), ints=(0, 0))
     run_case(dataclasses.replace(case, warmup_runs=0, options=options))
+
+
+def test_regression_state_rebound_by_one_graph_is_read_by_another_at_a_reused_address():
+    """Found by hypothesis (the model-state draw): the int argument makes one graph per value;
+    each rebinds the state to its output, which the other then read bound by address, and the
+    pool put the next output at the address seen before: a replay read a stale state."""
+    program = (
+        ("state", "rebind", 0),
+        ("const", 0),
+        ("intarg", 0),
+        ("region", fxsplit.ATTN_PREP, (("unary", "relu", 0),)),
+        ("const", 0),
+        ("intarg", 0),
+        ("region", fxsplit.ATTN_PREP, (("unary", "relu", 0),)),
+    )
+    run_case(Case(program, outputs=(0,), dynamic=False, sizes=(1, 2), ints=(0, 1), warmup_runs=0))
+
+
+def test_regression_weights_written_through_data_after_two_reloads():
+    """Weights reloaded on two consecutive calls are copied like runner inputs; a write through
+    .data then left the version counter as it was, and the copy was skipped."""
+    program = (
+        ("module", 1, 0),
+        ("region", fxsplit.ATTENTION, (("unary", "sin", 2),)),
+        ("matmul", 0, 3),
+        ("state", "read", 4),
+    )
+    run_case(Case(program, reloads=((1, "assign_twice"), (3, "data_copy_")), warmup_runs=0))
