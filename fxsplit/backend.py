@@ -58,9 +58,10 @@ class Backend:
         self._dumps: list[tuple[object, GraphRuntime | None]] = []
         self._session = CaptureSession()
         # Outputs handed out of the pools must not outlive the pools' memory, also when the
-        # backend is collected without a reset.
+        # backend is collected without a reset; not at exit, where nothing reads them again
+        # (closing moves every held output to memory of its own).
         self._sessions = [self._session]
-        weakref.finalize(self, _close_sessions, self._sessions)
+        weakref.finalize(self, _close_sessions, self._sessions).atexit = False
         self._count = 0
         self._lock = threading.Lock()
         self.checks = ConfigChecks()
