@@ -145,6 +145,8 @@ def _type_error(key: str, value: Any, expected: str) -> TypeError:
 
 def _choice(choices: tuple[str, ...]):
     def check(key: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise _type_error(key, value, f"one of {', '.join(map(repr, choices))}")
         if value not in choices:
             raise ValueError(
                 f"fxsplit option {key}={value!r} is not allowed; "
