@@ -142,6 +142,15 @@ def test_torch_compile_mode_is_rejected():
         ("verify", 1, TypeError, "verify=1 has type int; expected a bool"),
         ("clone_outputs", None, TypeError, "clone_outputs=None has type NoneType"),
         ("dump_dir", 3, TypeError, "dump_dir=3 has type int; expected a folder path"),
+        (
+            "compile_sizes",
+            [0],
+            ValueError,
+            "^fxsplit option compile_sizes holds 0; every entry "
+            "must be a positive int \\(a token count\\)$",
+        ),
+        ("compile_sizes", [4, -1], ValueError, "compile_sizes holds -1; every entry must be a "),
+        ("compile_sizes", [4, 4], ValueError, "compile_sizes holds 4 twice"),
     ],
 )
 def test_wrong_option_type_or_value_names_key_and_value(key, value, error, match):
