@@ -170,11 +170,20 @@ def test_wrong_option_type_through_the_string_backend_is_the_cause():
 # Unknown runner
 
 
-def test_unknown_runner_lists_registered_runners():
+def test_unknown_runner_lists_registered_runners_and_the_close_ones():
     with pytest.raises(ValueError) as info:
         fxsplit.Backend(runner="v3")
     names = ", ".join(fxsplit.runners.names())
-    assert str(info.value) == f"unknown runner 'v3'; registered runners: {names}"
+    assert str(info.value) == (
+        f"unknown runner 'v3'; registered runners: {names}; did you mean 'v1' or 'v2'?"
+    )
+
+
+def test_unknown_runner_far_from_every_registered_one_suggests_none():
+    with pytest.raises(ValueError) as info:
+        fxsplit.Backend(runner="vllm")
+    names = ", ".join(fxsplit.runners.names())
+    assert str(info.value) == f"unknown runner 'vllm'; registered runners: {names}"
 
 
 @pytest.mark.parametrize("name", ["V2", " v1", "v2 "])

@@ -144,6 +144,32 @@ def test_demo_model_unknown_architecture_exits_2_listing_the_known_ones(capsys):
     assert "unknown architecture 'Nope'" in err and "Qwen2MoeForCausalLM" in err
 
 
+@pytest.mark.parametrize(
+    ("name", "close"),
+    [
+        ("llama", "'LlamaForCausalLM'"),
+        ("LlamaForCausalLm", "'LlamaForCausalLM'"),
+        ("mistral", "'MistralForCausalLM'"),
+        ("qwen", "'Qwen2ForCausalLM' or 'Qwen3ForCausalLM' or 'Qwen2MoeForCausalLM'"),
+    ],
+)
+def test_demo_model_close_to_a_known_architecture_suggests_it(name, close, capsys):
+    from fxsplit.tools.cli import main
+
+    assert main(["demo", "--model", name]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown architecture {name!r}; known architectures: " in err
+    assert "Qwen2MoeForCausalLM, " in err  # still lists every known one
+    assert err.endswith(f"; did you mean {close}?\n")
+
+
+def test_demo_model_far_from_every_known_architecture_suggests_none(capsys):
+    from fxsplit.tools.cli import main
+
+    assert main(["demo", "--model", "Nope"]) == 2
+    assert "did you mean" not in capsys.readouterr().err
+
+
 def test_demo_model_not_shipped_names_the_stand_in(capsys):
     from fxsplit.tools.cli import main
 
