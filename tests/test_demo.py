@@ -240,6 +240,29 @@ def test_tp_demo_names_an_error_every_rank_raised_once(monkeypatch, capsys):
     assert out.count("does not divide") == 1 and "ranks 0, 1, 2: ValueError" in out
 
 
+@pytest.mark.parametrize(
+    ("world_size", "processes"), [(1, "1 CPU process,"), (2, "2 CPU processes,")]
+)
+def test_tp_demo_counts_its_processes_and_explains_only_its_own_columns(
+    world_size, processes, monkeypatch, capsys
+):
+    """The tp table has captures and replays per rank but no uncaptured runs or input copies,
+    and its plans are titled without a step in brackets: its legend says only what it shows."""
+    from fxsplit.tools import tp_demo
+
+    monkeypatch.setattr(tp_demo, "spawn", lambda *args, **kwargs: ["ValueError: stop"] * world_size)
+    assert tp_demo.run(world_size) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"tensor parallel: {processes} gloo, capture emulated; torch ")
+    legend = out.split("How to read the tables:\n")[1].split("\n")
+    words = [line.split()[0] for line in legend if line.startswith("  ")]
+    assert words == ["graph_<n>", "captures", "replays"]
+    assert "  graph_<n>    the n-th graph Dynamo compiled\n" in out  # no step in brackets
+    meanings = dict(demo.LEGEND)
+    assert f"  captures     {meanings['captures']}\n" in out
+    assert f"  replays      {meanings['replays']}\n" in out
+
+
 @pytest.mark.parametrize(("compiles", "calls"), [(False, ("1st", "2nd")), (True, ("2nd", "3rd"))])
 def test_prefill_table_names_the_calls_that_capture_and_replay(compiles, calls):
     """With Inductor pieces a compiled piece runs once before its capture: the captures are

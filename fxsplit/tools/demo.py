@@ -389,10 +389,11 @@ def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
     return ok
 
 
-def print_legend(console: Console) -> None:
-    """Print :data:`LEGEND`, one line per word."""
+def print_legend(console: Console, legend: tuple[tuple[str, str], ...] = LEGEND) -> None:
+    """Print ``legend`` (``(word, meaning)`` pairs; default :data:`LEGEND`), one line per
+    word."""
     console.print("How to read the tables:", highlight=False)
-    for word, meaning in LEGEND:
+    for word, meaning in legend:
         console.print(f"  {word:<13}{meaning}", highlight=False)
 
 
