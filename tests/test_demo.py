@@ -74,6 +74,33 @@ def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, c
     assert "FAILED" not in out
 
 
+@pytest.mark.parametrize(
+    ("compile_pieces", "said"),
+    [
+        (
+            "inductor",
+            "max diff: the largest difference from eager, allowed up to 0.0001 (Inductor ",
+        ),
+        ("eager", "max diff: the largest difference from eager, which must be 0 (the split "),
+    ],
+)
+def test_demo_states_once_the_difference_from_eager_it_allows(compile_pieces, said, monkeypatch):
+    """Inductor pieces may differ from eager within COMPILED_TOLERANCE and are marked ok: the
+    demo says so once, as the --tp demo does, instead of leaving non-zero diffs unexplained."""
+    monkeypatch.setattr(demo, "_capture_mode", lambda: ("emulate", "cpu"))
+    monkeypatch.setattr(demo, "_deepseek", lambda console, runner, compile_pieces: True)
+    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console, compile_pieces: True)
+    monkeypatch.setattr(demo.hf_deepseek_v4, "available", lambda: False)
+    console = Recording(80)
+    assert demo.run(compile_pieces=compile_pieces, console=console) == 0
+    text = console.text
+    assert text.count("max diff: ") == 1 and said in text.replace("\n", " ")
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert not cut_words(console)
+    lines = text.split("max diff: ")[1].split("\n")[:2]  # the line wraps once at 80 columns
+    assert lines[1].startswith("    ") and [s for s in lines if s != s.rstrip()] == []
+
+
 def test_demo_tp_below_one_is_a_usage_error(capsys):
     from fxsplit.tools import cli
 
