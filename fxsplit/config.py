@@ -145,6 +145,8 @@ def _type_error(key: str, value: Any, expected: str) -> TypeError:
 
 def _choice(choices: tuple[str, ...]):
     def check(key: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise _type_error(key, value, f"one of {', '.join(map(repr, choices))}")
         if value not in choices:
             raise ValueError(
                 f"fxsplit option {key}={value!r} is not allowed; "
@@ -247,7 +249,10 @@ def _capture_sizes(key: str, value: Any) -> tuple[int, ...]:
         if isinstance(size, bool) or not isinstance(size, int):
             raise TypeError(f"fxsplit option {key} holds {size!r}; every entry must be an int")
         if size <= 0:
-            raise ValueError(f"fxsplit option {key} holds {size!r}; capture sizes must be positive")
+            raise ValueError(
+                f"fxsplit option {key} holds {size!r}; every entry must be a positive int "
+                "(a token count)"
+            )
         if size in seen:
             raise ValueError(f"fxsplit option {key} holds {size!r} twice; sizes must be unique")
         seen.add(size)

@@ -104,11 +104,23 @@ def get(name: str | Runner) -> Runner:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        close = difflib.get_close_matches(str(name).strip().lower(), sorted(_REGISTRY), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = _did_you_mean(str(name))
         raise ValueError(
             f"unknown runner {name!r}; registered runners: {', '.join(sorted(_REGISTRY))}{hint}"
         ) from None
+
+
+def _did_you_mean(name: str) -> str:
+    """``"; did you mean 'v2'?"`` for ``name`` differing from registered names in case or
+    spaces only (that one), else by about one character in two (each such one); ``""`` when
+    none is close."""
+    lowered = {n.lower(): n for n in sorted(_REGISTRY)}
+    key = name.strip().lower()
+    if key in lowered:
+        close = [lowered[key]]
+    else:  # runner names are short: "v3" is one edit from "v1" and "v2" (ratio 0.5)
+        close = sorted(lowered[n] for n in difflib.get_close_matches(key, lowered, 3, 0.5))
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
 def names() -> list[str]:

@@ -126,7 +126,11 @@ def test_torch_compile_mode_is_rejected():
         ("module_regions", {"": "attention"}, ValueError, "module_regions has key ''"),
         ("eager_modules", "Block", TypeError, "eager_modules='Block' has type str"),
         ("capture", "gpu", ValueError, "capture='gpu' is not allowed; choose one of 'auto'"),
-        ("capture", True, ValueError, "capture=True is not allowed"),
+        ("capture", True, TypeError, "capture=True has type bool; expected one of 'auto', "),
+        ("capture", 1, TypeError, "capture=1 has type int; expected one of 'auto', 'cuda', "),
+        ("input_binding", 2, TypeError, "input_binding=2 has type int; expected one of 'copy'"),
+        ("compile_pieces", None, TypeError, "compile_pieces=None has type NoneType; expected"),
+        ("on_capture_error", False, TypeError, "on_capture_error=False has type bool"),
         ("max_captured_keys", 1.5, TypeError, "max_captured_keys=1.5 has type float"),
         ("max_captured_keys", True, TypeError, "max_captured_keys=True has type bool"),
         ("max_captured_keys", 0, ValueError, "max_captured_keys=0 must be >= 1"),
@@ -138,6 +142,15 @@ def test_torch_compile_mode_is_rejected():
         ("verify", 1, TypeError, "verify=1 has type int; expected a bool"),
         ("clone_outputs", None, TypeError, "clone_outputs=None has type NoneType"),
         ("dump_dir", 3, TypeError, "dump_dir=3 has type int; expected a folder path"),
+        (
+            "compile_sizes",
+            [0],
+            ValueError,
+            "^fxsplit option compile_sizes holds 0; every entry "
+            "must be a positive int \\(a token count\\)$",
+        ),
+        ("compile_sizes", [4, -1], ValueError, "compile_sizes holds -1; every entry must be a "),
+        ("compile_sizes", [4, 4], ValueError, "compile_sizes holds 4 twice"),
     ],
 )
 def test_wrong_option_type_or_value_names_key_and_value(key, value, error, match):
@@ -157,11 +170,20 @@ def test_wrong_option_type_through_the_string_backend_is_the_cause():
 # Unknown runner
 
 
-def test_unknown_runner_lists_registered_runners():
+def test_unknown_runner_lists_registered_runners_and_the_close_ones():
     with pytest.raises(ValueError) as info:
         fxsplit.Backend(runner="v3")
     names = ", ".join(fxsplit.runners.names())
-    assert str(info.value) == f"unknown runner 'v3'; registered runners: {names}"
+    assert str(info.value) == (
+        f"unknown runner 'v3'; registered runners: {names}; did you mean 'v1' or 'v2'?"
+    )
+
+
+def test_unknown_runner_far_from_every_registered_one_suggests_none():
+    with pytest.raises(ValueError) as info:
+        fxsplit.Backend(runner="vllm")
+    names = ", ".join(fxsplit.runners.names())
+    assert str(info.value) == f"unknown runner 'vllm'; registered runners: {names}"
 
 
 @pytest.mark.parametrize("name", ["V2", " v1", "v2 "])

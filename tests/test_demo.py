@@ -74,6 +74,33 @@ def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, c
     assert "FAILED" not in out
 
 
+@pytest.mark.parametrize(
+    ("compile_pieces", "said"),
+    [
+        (
+            "inductor",
+            "max diff: the largest difference from eager, allowed up to 0.0001 (Inductor ",
+        ),
+        ("eager", "max diff: the largest difference from eager, which must be 0 (the split "),
+    ],
+)
+def test_demo_states_once_the_difference_from_eager_it_allows(compile_pieces, said, monkeypatch):
+    """Inductor pieces may differ from eager within COMPILED_TOLERANCE and are marked ok: the
+    demo says so once, as the --tp demo does, instead of leaving non-zero diffs unexplained."""
+    monkeypatch.setattr(demo, "_capture_mode", lambda: ("emulate", "cpu"))
+    monkeypatch.setattr(demo, "_deepseek", lambda console, runner, compile_pieces: True)
+    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console, compile_pieces: True)
+    monkeypatch.setattr(demo.hf_deepseek_v4, "available", lambda: False)
+    console = Recording(80)
+    assert demo.run(compile_pieces=compile_pieces, console=console) == 0
+    text = console.text
+    assert text.count("max diff: ") == 1 and said in text.replace("\n", " ")
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert not cut_words(console)
+    lines = text.split("max diff: ")[1].split("\n")[:2]  # the line wraps once at 80 columns
+    assert lines[1].startswith("    ") and [s for s in lines if s != s.rstrip()] == []
+
+
 def test_demo_tp_below_one_is_a_usage_error(capsys):
     from fxsplit.tools import cli
 
@@ -144,6 +171,32 @@ def test_demo_model_unknown_architecture_exits_2_listing_the_known_ones(capsys):
     assert "unknown architecture 'Nope'" in err and "Qwen2MoeForCausalLM" in err
 
 
+@pytest.mark.parametrize(
+    ("name", "close"),
+    [
+        ("llama", "'LlamaForCausalLM'"),
+        ("LlamaForCausalLm", "'LlamaForCausalLM'"),
+        ("mistral", "'MistralForCausalLM'"),
+        ("qwen", "'Qwen2ForCausalLM' or 'Qwen3ForCausalLM' or 'Qwen2MoeForCausalLM'"),
+    ],
+)
+def test_demo_model_close_to_a_known_architecture_suggests_it(name, close, capsys):
+    from fxsplit.tools.cli import main
+
+    assert main(["demo", "--model", name]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown architecture {name!r}; known architectures: " in err
+    assert "Qwen2MoeForCausalLM, " in err  # still lists every known one
+    assert err.endswith(f"; did you mean {close}?\n")
+
+
+def test_demo_model_far_from_every_known_architecture_suggests_none(capsys):
+    from fxsplit.tools.cli import main
+
+    assert main(["demo", "--model", "Nope"]) == 2
+    assert "did you mean" not in capsys.readouterr().err
+
+
 def test_demo_model_not_shipped_names_the_stand_in(capsys):
     from fxsplit.tools.cli import main
 
@@ -212,6 +265,29 @@ def test_tp_demo_names_an_error_every_rank_raised_once(monkeypatch, capsys):
     assert tp_demo.run(3) == 1
     out = capsys.readouterr().out
     assert out.count("does not divide") == 1 and "ranks 0, 1, 2: ValueError" in out
+
+
+@pytest.mark.parametrize(
+    ("world_size", "processes"), [(1, "1 CPU process,"), (2, "2 CPU processes,")]
+)
+def test_tp_demo_counts_its_processes_and_explains_only_its_own_columns(
+    world_size, processes, monkeypatch, capsys
+):
+    """The tp table has captures and replays per rank but no uncaptured runs or input copies,
+    and its plans are titled without a step in brackets: its legend says only what it shows."""
+    from fxsplit.tools import tp_demo
+
+    monkeypatch.setattr(tp_demo, "spawn", lambda *args, **kwargs: ["ValueError: stop"] * world_size)
+    assert tp_demo.run(world_size) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"tensor parallel: {processes} gloo, capture emulated; torch ")
+    legend = out.split("How to read the tables:\n")[1].split("\n")
+    words = [line.split()[0] for line in legend if line.startswith("  ")]
+    assert words == ["graph_<n>", "captures", "replays"]
+    assert "  graph_<n>    the n-th graph Dynamo compiled\n" in out  # no step in brackets
+    meanings = dict(demo.LEGEND)
+    assert f"  captures     {meanings['captures']}\n" in out
+    assert f"  replays      {meanings['replays']}\n" in out
 
 
 @pytest.mark.parametrize(("compiles", "calls"), [(False, ("1st", "2nd")), (True, ("2nd", "3rd"))])

@@ -262,8 +262,8 @@ def test_branch_on_a_tensor_value_graph_breaks_and_stays_correct():
     ("sizes", "error", "match"),
     [
         ([4, 4], ValueError, "capture_sizes holds 4 twice"),
-        ([0], ValueError, "capture_sizes holds 0; capture sizes must be positive"),
-        ([8, -2], ValueError, "capture_sizes holds -2; capture sizes must be positive"),
+        ([0], ValueError, "capture_sizes holds 0; every entry must be a positive int"),
+        ([8, -2], ValueError, "capture_sizes holds -2; every entry must be a positive int"),
         ([2.0], TypeError, "capture_sizes holds 2.0; every entry must be an int"),
         ([True], TypeError, "capture_sizes holds True"),
         ("8", TypeError, "capture_sizes='8' has type str"),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,3 +22,46 @@ def test_import_from_a_folder_holding_a_folder_named_fxsplit(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()).parent.parent == REPO
+
+
+README = (REPO / "README.md").read_text(encoding="utf-8")
+FLAG = r"(?<![\w-])--[a-z][a-z-]*"
+
+
+def _cli_flags() -> set[str]:
+    """Every long flag of ``fxsplit`` and of its commands, from their ``--help``."""
+    import contextlib
+    import io
+
+    from fxsplit.tools import cli
+
+    flags = set()
+    for argv in ([], ["demo"], ["dump"], ["diff"], ["cache"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+            cli.main([*argv, "--help"])
+        flags |= set(re.findall(FLAG, out.getvalue()))
+    return flags - {"--help"}
+
+
+def test_readme_documents_every_command_line_flag():
+    flags = _cli_flags()
+    assert {"--summary", "--tp", "--cache-dir"} <= flags  # the help was read
+    documented = set(re.findall(FLAG, README))
+    assert sorted(flags - documented) == []
+
+
+def test_readme_states_the_torch_range_pyproject_requires():
+    """What a user may install, in the README's words: the range of ``pyproject.toml``'s
+    requirement (``torch>=2.11,<2.15``: 2.11 to a 2.14 release)."""
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    low, major, below = re.search(r'"torch>=(\d+\.\d+),<(\d+)\.(\d+)"', pyproject).groups()
+    stated = re.search(r"supported range is torch (\d+\.\d+) to (\d+)\.(\d+)\.\d+", README)
+    assert stated, "the README names no supported torch range"
+    assert stated.groups() == (low, major, str(int(below) - 1))
+
+
+def test_readme_says_how_long_the_tests_take():
+    (line,) = [line for line in README.splitlines() if line.endswith("python3 -m pytest -q")
+               or "python3 -m pytest -q  #" in line]  # fmt: skip
+    assert re.search(r"about \d+ minutes on 2 CPU cores", line), line

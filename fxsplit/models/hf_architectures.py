@@ -33,7 +33,9 @@ transformers is imported inside functions only: ``fxsplit`` imports without it.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -362,7 +364,30 @@ def _architecture(name: str) -> Architecture:
             hint = "; transformers does not ship it and has no relative of it"
         raise UnknownArchitecture(
             f"unknown architecture {name!r}{hint}; known architectures: {', '.join(names())}"
+            f"{'' if name in NOT_SHIPPED else _did_you_mean(name)}"
         ) from None
+
+
+def _did_you_mean(name: str) -> str:
+    """``"; did you mean 'LlamaForCausalLM'?"`` for ``name`` close to known architectures,
+    ignoring case, or to their model family alone (``"llama"``); ``""`` when none is close.
+    An exact family match names that family only; else up to 3, the closest first."""
+    keys: dict[str, set[str]] = {}  # lower-case full name or family -> architectures
+    for known in names():
+        family = re.sub(r"(For[A-Z]\w*|LMHeadModel)$", "", known)
+        for key in (known.lower(), family.lower()):
+            keys.setdefault(key, set()).add(known)
+    wanted = name.strip().lower()
+    if wanted in keys:
+        close = sorted(keys[wanted])
+    else:
+        score: dict[str, float] = {}
+        for key in difflib.get_close_matches(wanted, keys, n=3):
+            ratio = difflib.SequenceMatcher(None, wanted, key).ratio()
+            for known in keys[key]:
+                score[known] = max(score.get(known, 0.0), ratio)
+        close = sorted(score, key=lambda known: (-score[known], known))[:3]
+    return f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
 
 
 def tiny_config(name: str):

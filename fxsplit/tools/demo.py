@@ -23,8 +23,9 @@ The default runner of each model (:func:`fxsplit.runners.default_runner`) is mar
 per counter says what it counts. Lists in table cells go one item per line and headers wrap at
 spaces, so no word is cut at 80 columns.
 
-Every comparison must match exactly (the split and the replay change no number); the exit
-status is 1 if one does not.
+Every comparison must match exactly (the split and the replay change no number), or within
+:data:`COMPILED_TOLERANCE` where pieces are compiled or run on CUDA (the demo says which, once);
+the exit status is 1 if one does not.
 """
 
 from __future__ import annotations
@@ -215,15 +216,34 @@ def _compile_summary(console: Console, records: list) -> None:
         for r in records
         if r.outcome == inductor.EAGER
     )
-    for line in lines:  # wrapped here: rich's own wrap leaves a space at each line's end
-        wrapped = textwrap.fill(
-            line,
-            console.width,
-            subsequent_indent="    ",
-            break_long_words=False,
-            break_on_hyphens=False,
-        )
-        console.print(wrapped, highlight=False, soft_wrap=True)
+    for line in lines:
+        _print_wrapped(console, line)
+
+
+def _print_wrapped(console: Console, line: str) -> None:
+    """``line`` at the console's width, later lines indented; wrapped here: rich's own wrap
+    leaves a space at each line's end."""
+    wrapped = textwrap.fill(
+        line,
+        console.width,
+        subsequent_indent="    ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+    console.print(wrapped, highlight=False, soft_wrap=True)
+
+
+def _tolerance_line(compile_pieces: str, device: str) -> str:
+    """What the tables' ``max diff`` may be for their rows to be ok (see :func:`_close`)."""
+    what = "max diff: the largest difference from eager"
+    if device == "cpu" and not _compiles(compile_pieces, device):
+        return f"{what}, which must be 0 (the split and the replays change no number)"
+    why = (
+        "Inductor fuses and reorders float32 sums"
+        if _compiles(compile_pieces, device)
+        else "CUDA may pick other kernels than eager"
+    )
+    return f"{what}, allowed up to {COMPILED_TOLERANCE:g} ({why})"
 
 
 def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
@@ -389,10 +409,11 @@ def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
     return ok
 
 
-def print_legend(console: Console) -> None:
-    """Print :data:`LEGEND`, one line per word."""
+def print_legend(console: Console, legend: tuple[tuple[str, str], ...] = LEGEND) -> None:
+    """Print ``legend`` (``(word, meaning)`` pairs; default :data:`LEGEND`), one line per
+    word."""
     console.print("How to read the tables:", highlight=False)
-    for word, meaning in LEGEND:
+    for word, meaning in legend:
         console.print(f"  {word:<13}{meaning}", highlight=False)
 
 
@@ -414,6 +435,7 @@ def run(
     pieces = "Inductor" if _compiles(compile_pieces, device) else "generated Python"
     console.print(f"capture: {mode} on {device}; pieces: {pieces}; torch {torch.__version__}")
     print_legend(console)
+    _print_wrapped(console, _tolerance_line(compile_pieces, device))
     if model is not None:
         ok = _model(console, model, compile_pieces)
         console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")

@@ -181,15 +181,21 @@ def run(world_size: int) -> int:
     """``fxsplit demo --tp N``; returns the exit status (0 when every rank matched)."""
     from rich.console import Console
 
-    from fxsplit.tools.demo import print_legend
+    from fxsplit.tools import demo
 
     console = Console()
+    processes = f"{world_size} CPU process{'es' if world_size != 1 else ''}"
     console.print(
-        f"tensor parallel: {world_size} CPU processes, gloo, capture emulated; "
-        f"torch {torch.__version__}",
+        f"tensor parallel: {processes}, gloo, capture emulated; torch {torch.__version__}",
         highlight=False,
     )
-    print_legend(console)
+    # The words its tables show: plans titled without a step, captures and replays per rank.
+    meanings = dict(demo.LEGEND)
+    legend = (
+        ("graph_<n>", "the n-th graph Dynamo compiled"),
+        *((word, meanings[word]) for word in ("captures", "replays")),
+    )
+    demo.print_legend(console, legend)
     try:
         # N ranks share the machine's cores: allow more time for more ranks.
         results = spawn(decode, world_size, timeout_s=max(TIMEOUT_S, 120.0 * world_size))
