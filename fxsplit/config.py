@@ -291,7 +291,7 @@ _VALIDATORS = {
     "clone_outputs": _bool,
     "dump_dir": _optional(_folder),
     "compile_pieces": _choice(COMPILE_MODES),
-    "compile_sizes": lambda k, v: _capture_sizes(k, v) if v else (),
+    "compile_sizes": lambda k, v: () if v is None or v == [] or v == () else _capture_sizes(k, v),
     "cache_dir": _optional(_folder),
     "check_ranks": _bool,
 }

@@ -151,6 +151,10 @@ def test_torch_compile_mode_is_rejected():
         ),
         ("compile_sizes", [4, -1], ValueError, "compile_sizes holds -1; every entry must be a "),
         ("compile_sizes", [4, 4], ValueError, "compile_sizes holds 4 twice"),
+        # falsy values other than None and an empty list were taken for "no sizes"
+        ("compile_sizes", 0, TypeError, "compile_sizes=0 has type int; expected a list"),
+        ("compile_sizes", "", TypeError, "compile_sizes='' has type str; expected a list"),
+        ("compile_sizes", False, TypeError, "compile_sizes=False has type bool; expected a list"),
     ],
 )
 def test_wrong_option_type_or_value_names_key_and_value(key, value, error, match):

@@ -72,6 +72,7 @@ def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, c
     out = capsys.readouterr().out
     assert "skipped the transformers section" in out and "pip install" in out
     assert "FAILED" not in out
+    assert [line for line in out.splitlines() if line != line.rstrip()] == []  # no padding
 
 
 @pytest.mark.parametrize(

@@ -448,9 +448,10 @@ def run(
         for runner in ("v1", "v2"):
             ok &= _hf(console, runner, compile_pieces)
     else:
-        console.print(
+        _print_wrapped(
+            console,
             "skipped the transformers section: it needs transformers >= 5.8.1 with "
-            f"DeepseekV4ForCausalLM ({hf_deepseek_v4.INSTALL_HINT})"
+            f"DeepseekV4ForCausalLM ({hf_deepseek_v4.INSTALL_HINT})",
         )
     console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")
     return 0 if ok else 1
