@@ -51,7 +51,7 @@ DEEPSEEK = "DeepseekV4ForCausalLM"
 DECODE_STEPS = 6
 
 LEGEND = (
-    ("graph_<n>", "the n-th graph Dynamo compiled; in brackets: the step it was for"),
+    ("graph_<n>", "the n-th graph Dynamo compiled; in brackets: its step or lengths"),
     ("captures", "captured pieces recorded as a CUDA graph (emulated on CPU)"),
     ("replays", "captured pieces run by replaying their recorded graph"),
     ("uncaptured", "pieces run without a graph (warm-up, a size seen first)"),
