@@ -232,3 +232,29 @@ def test_a_model_rebinding_its_state_shares_a_backend_with_another():
 
 def _ledger_moved(backend) -> int:
     return sum(pool.ledger.moved for pool in backend._session.pools.values())
+
+
+@pytest.mark.skipif(not can_swap(), reason="torch 2.11 cannot move a storage: it invalidates")
+def test_three_instances_compiled_one_by_one_capturing_at_once_keep_their_state():
+    """Three instances of one module, each compiled on its own (one graph), warmup_runs=0: the
+    third call rebinds t and marks output position 1 as the model's state at the fourth call,
+    but the third instance's t, handed out at the third call before the position was known,
+    stayed an ordinary output: the fourth call's replay invalidated it (StaleOutputError at
+    the sixth call, where eager runs)."""
+    torch.manual_seed(0)
+    eager = nn.ModuleList(_Rebinding() for _ in range(3))
+    net = copy.deepcopy(eager)
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=0)
+    layers = [torch.compile(m, backend=backend) for m in net]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(4):
+            want = got = _x(step)
+            for m in eager:
+                want = m(want)
+            for m in layers:
+                got = m(got)
+            assert torch.equal(got, want), step
+            for a, b in zip(net, eager, strict=True):
+                assert torch.equal(a.t, b.t), step
+    assert fxsplit.counters.snapshot()["replays"] > 0
