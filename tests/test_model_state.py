@@ -258,3 +258,42 @@ def test_three_instances_compiled_one_by_one_capturing_at_once_keep_their_state(
             for a, b in zip(net, eager, strict=True):
                 assert torch.equal(a.t, b.t), step
     assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+class _WeightsAfterBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.out = nn.Linear(D, D), nn.Linear(D, D)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = x.sin() * 2
+        torch._dynamo.graph_break()
+        h = self.lin(h)
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        return self.out(h)
+
+
+@pytest.mark.parametrize("warmup_runs", [0, 1])
+def test_weights_read_after_a_graph_break_follow_a_write_through_data(warmup_runs):
+    """The frame Dynamo resumes after a break reads the weights as parameters; they were
+    copied into fxsplit's own buffers like the frame's computed values, skipped while the
+    version counter stood still: one p.data.copy_ (weight loaders) and every later replay used
+    the old weights, silently (diff 1.6)."""
+    eager = _WeightsAfterBreak()
+    net = copy.deepcopy(eager)
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs)
+    model = torch.compile(net, backend=backend)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(7):
+            if step == 4:
+                w = torch.randn(D, D, generator=g)
+                for m in (eager, net):
+                    m.lin.weight.data.copy_(w)
+            x = _x(step)
+            assert torch.equal(model(x), eager(x)), step
+    assert fxsplit.counters.snapshot()["replays"] > 0
