@@ -297,3 +297,41 @@ def test_weights_read_after_a_graph_break_follow_a_write_through_data(warmup_run
             x = _x(step)
             assert torch.equal(model(x), eager(x)), step
     assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+class _WeightOnTheStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(D, D))
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = x.sin()
+        # self.w is on Dynamo's stack at the break: the resumed frame reads it as a stack value
+        y = torch.add(self.w, (torch._dynamo.graph_break(), h.sum(0))[1]) @ h.T
+        with fxsplit.region(fxsplit.ATTENTION):
+            y = y.cos()
+        return y * 2
+
+
+@pytest.mark.parametrize("warmup_runs", [0, 1])
+def test_a_weight_on_the_stack_at_a_graph_break_follows_a_write_through_data(warmup_runs):
+    """A parameter on Dynamo's stack at a break (an argument evaluated before the call that
+    breaks) reaches the resumed frame as ``L['___stack0']``; it was copied into fxsplit's own
+    buffer like a computed stack value, the copy skipped while the version counter stood
+    still: a p.data.copy_ was missed, silently (diff 3.4)."""
+    eager = _WeightOnTheStack()
+    net = copy.deepcopy(eager)
+    model = torch.compile(net, backend=fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(7):
+            if step == 4:
+                w = torch.randn(D, D, generator=g)
+                for m in (eager, net):
+                    m.w.data.copy_(w)
+            x = _x(step)
+            assert torch.equal(model(x), eager(x)), step
+    assert fxsplit.counters.snapshot()["replays"] > 0

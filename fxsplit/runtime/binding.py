@@ -195,12 +195,12 @@ def classify(
             source = str(grapharg.source.name if grapharg is not None else node.target)
             if not is_tensor:
                 kind = HOST
-            elif node.name in volatile or _STACK_SOURCE.match(source):
+            elif node.name in volatile:
                 kind = INTERNAL
-            elif is_static_input(node):
+            elif is_static_input(node):  # also on Dynamo's stack at a break (an argument)
                 kind = PARAM
             else:
-                kind = INTERNAL if resumed else RUNNER
+                kind = INTERNAL if resumed or _STACK_SOURCE.match(source) else RUNNER
         elif node in producer:
             source = f"{producer[node]} output"
             kind = INTERNAL if is_tensor or value is None else HOST
