@@ -232,3 +232,106 @@ def test_a_model_rebinding_its_state_shares_a_backend_with_another():
 
 def _ledger_moved(backend) -> int:
     return sum(pool.ledger.moved for pool in backend._session.pools.values())
+
+
+@pytest.mark.skipif(not can_swap(), reason="torch 2.11 cannot move a storage: it invalidates")
+def test_three_instances_compiled_one_by_one_capturing_at_once_keep_their_state():
+    """Three instances of one module, each compiled on its own (one graph), warmup_runs=0: the
+    third call rebinds t and marks output position 1 as the model's state at the fourth call,
+    but the third instance's t, handed out at the third call before the position was known,
+    stayed an ordinary output: the fourth call's replay invalidated it (StaleOutputError at
+    the sixth call, where eager runs)."""
+    torch.manual_seed(0)
+    eager = nn.ModuleList(_Rebinding() for _ in range(3))
+    net = copy.deepcopy(eager)
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=0)
+    layers = [torch.compile(m, backend=backend) for m in net]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(4):
+            want = got = _x(step)
+            for m in eager:
+                want = m(want)
+            for m in layers:
+                got = m(got)
+            assert torch.equal(got, want), step
+            for a, b in zip(net, eager, strict=True):
+                assert torch.equal(a.t, b.t), step
+    assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+class _WeightsAfterBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.out = nn.Linear(D, D), nn.Linear(D, D)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = x.sin() * 2
+        torch._dynamo.graph_break()
+        h = self.lin(h)
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        return self.out(h)
+
+
+@pytest.mark.parametrize("warmup_runs", [0, 1])
+def test_weights_read_after_a_graph_break_follow_a_write_through_data(warmup_runs):
+    """The frame Dynamo resumes after a break reads the weights as parameters; they were
+    copied into fxsplit's own buffers like the frame's computed values, skipped while the
+    version counter stood still: one p.data.copy_ (weight loaders) and every later replay used
+    the old weights, silently (diff 1.6)."""
+    eager = _WeightsAfterBreak()
+    net = copy.deepcopy(eager)
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs)
+    model = torch.compile(net, backend=backend)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(7):
+            if step == 4:
+                w = torch.randn(D, D, generator=g)
+                for m in (eager, net):
+                    m.lin.weight.data.copy_(w)
+            x = _x(step)
+            assert torch.equal(model(x), eager(x)), step
+    assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+class _WeightOnTheStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(D, D))
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = x.sin()
+        # self.w is on Dynamo's stack at the break: the resumed frame reads it as a stack value
+        y = torch.add(self.w, (torch._dynamo.graph_break(), h.sum(0))[1]) @ h.T
+        with fxsplit.region(fxsplit.ATTENTION):
+            y = y.cos()
+        return y * 2
+
+
+@pytest.mark.parametrize("warmup_runs", [0, 1])
+def test_a_weight_on_the_stack_at_a_graph_break_follows_a_write_through_data(warmup_runs):
+    """A parameter on Dynamo's stack at a break (an argument evaluated before the call that
+    breaks) reaches the resumed frame as ``L['___stack0']``; it was copied into fxsplit's own
+    buffer like a computed stack value, the copy skipped while the version counter stood
+    still: a p.data.copy_ was missed, silently (diff 3.4)."""
+    eager = _WeightOnTheStack()
+    net = copy.deepcopy(eager)
+    model = torch.compile(net, backend=fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(7):
+            if step == 4:
+                w = torch.randn(D, D, generator=g)
+                for m in (eager, net):
+                    m.w.data.copy_(w)
+            x = _x(step)
+            assert torch.equal(model(x), eager(x)), step
+    assert fxsplit.counters.snapshot()["replays"] > 0

@@ -20,8 +20,8 @@ Input kinds (:attr:`InputSpec.kind`), known at split time:
   copied; its address is checked once per step and a move recaptures.
 - ``RUNNER``: a tensor the caller hands in each call.
 - ``INTERNAL``: a value the caller never handed in: an earlier piece's output, or a tensor
-  argument of a frame Dynamo resumed after a graph break (its stack values ``L['___stack<i>']``
-  and live locals were computed by the model).
+  argument of a frame Dynamo resumed after a graph break other than a parameter or buffer (its
+  stack values ``L['___stack<i>']`` and live locals were computed by the model).
 - ``HOST``: a Python int/float/bool or SymInt: part of the capture key, frozen by a replay.
 
 How a tensor input is bound (:class:`Bind`) is decided at capture from the kind, the
@@ -182,7 +182,8 @@ def classify(
             self.t + 1``): fxsplit's to copy, like values the caller never handed in.
         resumed: the graph belongs to a frame Dynamo resumed after a graph break, whose tensor
             arguments are the model's live values (stack slots and locals), not the caller's:
-            all are fxsplit's to copy.
+            all but its parameters and buffers are fxsplit's to copy (those stay ``PARAM``: a
+            copy skipped on an unchanged version counter missed writes through ``.data``).
     """
     specs = []
     for i, node in enumerate(inputs):
@@ -194,10 +195,12 @@ def classify(
             source = str(grapharg.source.name if grapharg is not None else node.target)
             if not is_tensor:
                 kind = HOST
-            elif resumed or node.name in volatile or _STACK_SOURCE.match(source):
+            elif node.name in volatile:
                 kind = INTERNAL
+            elif is_static_input(node):  # also on Dynamo's stack at a break (an argument)
+                kind = PARAM
             else:
-                kind = PARAM if is_static_input(node) else RUNNER
+                kind = INTERNAL if resumed or _STACK_SOURCE.match(source) else RUNNER
         elif node in producer:
             source = f"{producer[node]} output"
             kind = INTERNAL if is_tensor or value is None else HOST

@@ -157,10 +157,17 @@ class OutputLedger:
         instances of one module, two models on one backend). Such a hand-out is moved to
         memory of its own before a replay overwrites it, not invalidated: a copy of the state
         where eager would have kept it (none where the model reads it back first)."""
-        self._state_slots.add((graph_id, slot))
         handed = self.handed_out(tensor)
         if handed is not None:
             handed.state = True
+        if (graph_id, slot) in self._state_slots:
+            return
+        self._state_slots.add((graph_id, slot))
+        # what that position handed out before it was known is state too (another instance's,
+        # handed out by an earlier call: a replay before that instance's next call overwrites it)
+        for other in self._live.values():
+            if other.graph_id == graph_id and other.slot == slot:
+                other.state = True
 
     def adopt(self, tensor: torch.Tensor) -> None:
         """Forget ``tensor``'s hand-out: the runtime took its memory over for this call."""
