@@ -102,7 +102,7 @@ class Backend:
                 "fxsplit's own settings as options={...}"
             )
         config = Config.from_options(options, base=self.config) if options else self.config
-        frame = _frame()
+        frame = _frame(gm)
         if not precompile.active():
             return self.build(gm, example_inputs, config, frame)
         precompile.restore_graphargs(gm, example_inputs)
@@ -366,9 +366,9 @@ def _close_sessions(sessions: list[CaptureSession]) -> None:
     sessions.clear()
 
 
-def _frame() -> Frame | None:
-    """The frame Dynamo is compiling (the backend runs inside Dynamo's translation of it, or
-    right after it under ``aot_compile``); None outside Dynamo or where its internals
+def _frame(gm: GraphModule) -> Frame | None:
+    """The frame Dynamo is compiling into ``gm`` (the backend runs inside Dynamo's translation
+    of it, or right after it under ``aot_compile``); None outside Dynamo or where its internals
     differ."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
@@ -387,7 +387,35 @@ def _frame() -> Frame | None:
     name = root.__name__ if root is not None else code.co_name
     if resumed:  # torch_dynamo_resume_in_<function>_at_<line>
         name = root.__name__ if root is not None else name.split("_in_", 1)[1].rsplit("_at_")[0]
-    return Frame(tuple(code.co_varnames[:count]), resumed, root, name, _called_by_eager_code())
+    return Frame(
+        tuple(code.co_varnames[:count]),
+        resumed,
+        root,
+        name,
+        _called_by_eager_code(),
+        _state_outputs(tx, gm),
+    )
+
+
+def _state_outputs(tx, gm: GraphModule) -> frozenset[int]:
+    """Positions of ``gm``'s outputs that Dynamo's side effects store into a module's
+    parameters or buffers after the graph runs (``self.t = <output>`` mutates the module's
+    ``_buffers``); empty where Dynamo's internals differ."""
+    try:
+        outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        position = {node: i for i, node in enumerate(outputs) if isinstance(node, torch.fx.Node)}
+        side_effects = tx.output.side_effects
+        found = set()
+        for var in side_effects._get_modified_vars():
+            if getattr(var.source, "member", None) not in ("_buffers", "_parameters"):
+                continue
+            for value in var.items.values():
+                node = getattr(getattr(value, "proxy", None), "node", None)
+                if node in position:
+                    found.add(position[node])
+    except Exception:  # another torch's internals: learnt at run time instead
+        return frozenset()
+    return frozenset(found)
 
 
 def _method_owner(code, f_locals) -> torch.nn.Module | None:

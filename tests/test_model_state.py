@@ -335,3 +335,16 @@ def test_a_weight_on_the_stack_at_a_graph_break_follows_a_write_through_data(war
             x = _x(step)
             assert torch.equal(model(x), eager(x)), step
     assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+def test_dynamo_says_which_outputs_a_graph_stores_into_buffers():
+    """The position of the output Dynamo stores into a module's buffer after the graph
+    (``self.t = ...``) is known at compile time, before any call shows it: t's hand-out is
+    state from the first capture on, the returned output is not."""
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=0)
+    net = _Rebinding()
+    with torch.no_grad():
+        out = torch.compile(net, backend=backend)(_x(0))
+    (pool,) = backend._session.pools.values()
+    assert pool.ledger.handed_out(net.t).state
+    assert not pool.ledger.handed_out(out).state

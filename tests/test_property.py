@@ -1451,3 +1451,12 @@ def test_regression_weights_written_through_data_after_two_reloads():
         ("state", "read", 4),
     )
     run_case(Case(program, reloads=((1, "assign_twice"), (3, "data_copy_")), warmup_runs=0))
+
+
+def test_regression_state_rebound_after_a_graph_break_at_the_first_capture():
+    """Found by hypothesis: with no warm-up the first call captures both graphs and hands the
+    rebound state out of the second; the first graph's replay at the next call wrote its memory
+    before anything at run time showed it was state (StaleOutputError where eager runs). Dynamo's
+    side effects say so at compile time."""
+    program = (("rand", 12), ("graph_break",), ("state", "rebind", 0))
+    run_case(Case(program, outputs=(-1,), dynamic=False, sizes=(5, 6), warmup_runs=0))

@@ -237,6 +237,9 @@ class Frame:
         nested: a frame called by model code that runs eagerly (Dynamo gave up on an enclosing
             frame: a graph break, a recompile limit): its arguments were computed by the model,
             not handed in by the caller.
+        state_outputs: positions of the graph's outputs that Dynamo stores into a module's
+            parameters or buffers after the call (``self.t = <output>``): the model's state,
+            read back at its next call.
     """
 
     arg_names: tuple[str, ...]
@@ -244,6 +247,7 @@ class Frame:
     root: type | None = None
     model: str | None = None
     nested: bool = False
+    state_outputs: frozenset[int] = frozenset()
 
     @property
     def model_values(self) -> bool:
@@ -300,6 +304,9 @@ class GraphRuntime:
         self.mode = mode
         self.checking = mode == "check"
         self.pool = pool
+        if pool is not None and frame is not None:
+            for slot in frame.state_outputs:
+                pool.ledger.state_slot(self.graph_id, slot)
         self.device = device
         self.capture_session = self.session = session
         self.binding = config.binding

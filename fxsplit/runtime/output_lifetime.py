@@ -160,6 +160,11 @@ class OutputLedger:
         handed = self.handed_out(tensor)
         if handed is not None:
             handed.state = True
+        self.state_slot(graph_id, slot)
+
+    def state_slot(self, graph_id: str, slot: int) -> None:
+        """What ``graph_id`` hands out at position ``slot`` is the model's state (known from
+        Dynamo's side effects at compile time, or from :meth:`keep_as_state`)."""
         if (graph_id, slot) in self._state_slots:
             return
         self._state_slots.add((graph_id, slot))
