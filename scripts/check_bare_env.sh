@@ -53,10 +53,11 @@ done
 "$py" -m pytest -q -p no:cacheprovider --collect-only tests >/dev/null
 # Compiled pieces lean on Inductor's and Dynamo's newest APIs, the aliasing analysis of pieces
 # holding higher-order ops on their fake tracing, and a buffer the model rebinds to an output on
-# how this torch invalidates held outputs: run their tests on this torch.
+# how this torch invalidates held outputs (the model's state too, which a torch without
+# storage moves cannot keep across a reset): run their tests on this torch.
 "$py" -m pytest -q -p no:cacheprovider tests/test_inductor.py tests/test_piece_cache.py \
     tests/test_precompile.py tests/test_floats.py tests/test_compiled_capture.py tests/test_hops.py \
-    tests/test_binding.py \
+    tests/test_binding.py tests/test_model_state.py \
     >"$venv.tests.log" 2>&1 || { cat "$venv.tests.log" >&2; exit 1; }
 "$py" bench/decode_latency.py --help >/dev/null
 "$py" bench/compile_time.py --help >/dev/null
