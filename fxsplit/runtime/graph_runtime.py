@@ -129,9 +129,14 @@ class CaptureSession:
             found = outputs.get(cdata)
             if found is not None and not found[0].expired():
                 return True
+        return self.in_pool(tensor)
+
+    def in_pool(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in a memory pool: a captured graph's output (handed out or
+        not), whose memory later replays and captures reuse."""
         if not self.pools:
             return False
-        ptr = storage.data_ptr()
+        ptr = tensor.untyped_storage().data_ptr()
         return any(
             pool.ledger.handed_out(tensor) is not None or ptr in pool.owners
             for pool in self.pools.values()
@@ -570,11 +575,12 @@ class GraphRuntime:
         if self._param_ptrs is None:
             self._param_ptrs = ptrs
             self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
-            # An output of a compiled graph (another graph's, rebound by the model as its
-            # state): its memory is the pool's, where a later output of that graph can land at
-            # the same address, so the address says nothing of whether it is the same tensor.
-            produced = [i for i in self._params if self.session.produced(args[i])]
-            return self._rebind(produced, args) if produced else None
+            # A captured graph's output (another graph's, rebound by the model as its state):
+            # the pool's memory, which that graph's next output reuses and the ledger may move
+            # a held tensor out of, so its address says nothing of the tensor it holds. (An
+            # output of an uncaptured run, a KV cache made in a prefill, is the caller's.)
+            pooled = [i for i in self._params if self.session.in_pool(args[i])]
+            return self._rebind(pooled, args) if pooled else None
         if ptrs == self._param_ptrs:
             return
         moved = [i for i, a, b in zip(self._params, ptrs, self._param_ptrs, strict=True) if a != b]
