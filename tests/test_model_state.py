@@ -348,3 +348,49 @@ def test_dynamo_says_which_outputs_a_graph_stores_into_buffers():
     (pool,) = backend._session.pools.values()
     assert pool.ledger.handed_out(net.t).state
     assert not pool.ledger.handed_out(out).state
+
+
+class _CacheMadeInPrefill(nn.Module):
+    """Prefill (several tokens) makes the cache in the graph; decode (one token) updates it in
+    place."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("cache", torch.zeros(D))
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if x.shape[0] > 1:
+            self.cache = h.sum(0) * 0.5
+        else:
+            self.cache.mul_(0.5).add_(h[0])
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        return h + self.cache
+
+
+def test_a_cache_made_by_an_uncaptured_prefill_is_read_by_address_again_once_it_holds_still():
+    """Each generation's prefill (uncaptured: not a capture size) makes a new cache, which the
+    decode graph sees move to an output of a graph: rebound, copied every call. It holds still
+    through the decode steps, but an output of an uncaptured run stays 'produced' until its
+    graph runs again, so it was never read by address again: the cache was copied in and out
+    at every decode step of every generation after the first."""
+    eager = _CacheMadeInPrefill()
+    net = copy.deepcopy(eager)
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=0, capture_sizes=[1])
+    model = torch.compile(net, backend=backend, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for generation in range(2):
+            for step in range(8):
+                x = torch.randn(4 if step == 0 else 1, D, generator=g)
+                assert torch.equal(model(x), eager(x)), (generation, step)
+                assert torch.equal(net.cache, eager.cache), (generation, step)
+    decode = backend.runtimes[-1]
+    copies = sum(p.stats.copies_by_input["l_self_buffers_cache_"] for p in decode.pieces)
+    assert not decode._volatile and copies <= 2 * 3, (decode._volatile, copies)
+    assert fxsplit.counters.snapshot()["replays"] > 0

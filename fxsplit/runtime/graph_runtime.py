@@ -669,7 +669,10 @@ class GraphRuntime:
             else:
                 ref, ptr, calls = weakref.ref(value), value.data_ptr(), 1
             self._settling[i] = (ref, ptr, calls)
-            if calls >= _SETTLED and not self.session.produced(value):
+            # in the pool, a replay may move it (an address says nothing of the tensor); an
+            # uncaptured run's output (a cache made in a prefill) is the caller's memory, and
+            # stays "produced" until its graph runs again
+            if calls >= _SETTLED and not self.session.in_pool(value):
                 settled.append(i)
         if not settled:
             return
