@@ -394,3 +394,46 @@ def test_a_cache_made_by_an_uncaptured_prefill_is_read_by_address_again_once_it_
     copies = sum(p.stats.copies_by_input["l_self_buffers_cache_"] for p in decode.pieces)
     assert not decode._volatile and copies <= 2 * 3, (decode._volatile, copies)
     assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+class _ViewStateAfterBreak(nn.Module):
+    """Rebinds t, after a graph break, to a view of the output it returns: one storage
+    handed out at two output positions, the returned one first."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("t", torch.zeros(D))
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = x.sin() * 2
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        torch._dynamo.graph_break()
+        h = self.lin(h) + self.t
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        out = h * 3
+        self.t = out[0]
+        return out
+
+
+@pytest.mark.skipif(not can_swap(), reason="torch 2.11 cannot move a storage: it invalidates")
+def test_state_sharing_a_storage_with_an_earlier_output_is_state_from_the_first_capture():
+    """Dynamo's side effects say output 1 (t) is state, but the hand-out of its storage was
+    made at output 0 (the returned tensor) and took that position's 'not state': the first
+    graph's replay at the next call invalidated t (StaleOutputError where eager runs)."""
+    eager = _ViewStateAfterBreak()
+    net = copy.deepcopy(eager)
+    model = torch.compile(
+        net, backend=fxsplit.Backend(capture="emulate", warmup_runs=0), dynamic=False
+    )
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        for step in range(5):
+            x = _x(step)
+            assert torch.equal(model(x), eager(x)), step
+            assert torch.equal(net.t, eager.t), step
+    assert fxsplit.counters.snapshot()["replays"] > 0

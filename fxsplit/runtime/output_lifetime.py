@@ -137,6 +137,11 @@ class OutputLedger:
             self._live[ref.cdata] = _HandOut(order, step, ref, graph_id, ptr, slot, state)
             if order > self._high:
                 self._high = order
+        elif (graph_id, slot) in self._state_slots:
+            # another output over this storage came first: the state lives in it all the same
+            handed = self._live.get(storage._cdata)
+            if handed is not None:
+                handed.state = True
         return view_over(storage, value)
 
     def live_refs(self) -> list[StorageWeakRef]:
