@@ -413,7 +413,8 @@ def _state_outputs(tx, gm: GraphModule) -> frozenset[int]:
                 node = getattr(getattr(value, "proxy", None), "node", None)
                 if node in position:
                     found.add(position[node])
-    except Exception:  # another torch's internals: learnt at run time instead
+    except Exception as error:  # another torch's internals: learnt at run time instead
+        log.debug("fxsplit: Dynamo's side effects not read (%s): %s", type(error).__name__, error)
         return frozenset()
     return frozenset(found)
 

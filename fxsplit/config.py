@@ -291,7 +291,9 @@ _VALIDATORS = {
     "clone_outputs": _bool,
     "dump_dir": _optional(_folder),
     "compile_pieces": _choice(COMPILE_MODES),
-    "compile_sizes": lambda k, v: () if v is None or v == [] or v == () else _capture_sizes(k, v),
+    "compile_sizes": lambda k, v: (
+        () if v is None or (isinstance(v, list | tuple) and not v) else _capture_sizes(k, v)
+    ),
     "cache_dir": _optional(_folder),
     "check_ranks": _bool,
 }

@@ -402,7 +402,8 @@ class CapturedPiece(torch.nn.Module):
         return self._miss(entry.key, inputs)
 
     def drop(self, entry: _Entry) -> None:
-        """Free ``entry``'s graph; outputs of it that were handed out are invalidated."""
+        """Free ``entry``'s graph; outputs of it that were handed out and are still held move to
+        memory of their own (invalidated on torch 2.11)."""
         runtime = self.runtime
         for ident, ptr in entry.owned:
             runtime.static_outputs.pop(ident, None)

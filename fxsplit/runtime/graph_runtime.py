@@ -70,6 +70,7 @@ class CaptureSession:
         # graph -> the outputs of its calls that are still alive, in the same form; kept when
         # the graph is reset (its outputs may be the model's state)
         self._origins: dict[int, dict[int, tuple[StorageWeakRef, str, int]]] = {}
+        self._swept: dict[int, int] = {}  # graph -> its origins' count after the last sweep
         self._taken: dict[int, StorageWeakRef] = {}  # private copies of a call under way
         self._warned_held = False
         self._warned_kept: set[tuple[str, str]] = set()
@@ -154,9 +155,13 @@ class CaptureSession:
                     refs[storage._cdata] = (StorageWeakRef(storage), graph.graph_id, slot)
         self._outputs[id(graph)] = refs
         origins = self._origins.setdefault(id(graph), {})
-        for cdata in [cdata for cdata, found in origins.items() if found[0].expired()]:
-            del origins[cdata]
         origins.update(refs)
+        if len(origins) > 2 * self._swept.get(id(graph), 4):
+            # forget the dead only when the live may have doubled: a caller keeping every
+            # step's output would otherwise make each call walk all of them
+            for cdata in [cdata for cdata, found in origins.items() if found[0].expired()]:
+                del origins[cdata]
+            self._swept[id(graph)] = len(origins)
 
     def output_slot(self, tensor: torch.Tensor) -> tuple[str, int] | None:
         """``(graph id, output position)`` of the output of a call of a graph, still alive,
@@ -180,7 +185,9 @@ class CaptureSession:
             self._taken.pop(copy.untyped_storage()._cdata, None)
 
     def close(self) -> None:
-        """Invalidate every output the pools handed out (their memory is about to go)."""
+        """Release every output the pools handed out and that is still held (their memory is
+        about to go): moved to memory of its own, see
+        :meth:`~fxsplit.runtime.output_lifetime.OutputLedger.release_all`."""
         for pool in self.pools.values():
             pool.ledger.release_all(self.step)
 
@@ -614,13 +621,15 @@ class GraphRuntime:
         are rebound by the model itself (``self.t = self.t + 1``): from now on they are
         fxsplit's to copy, like runner inputs, until they hold still (:meth:`_check_settled`).
         Those that are earlier outputs are copied first (returned, see :meth:`_take_over`): the
-        reset invalidates what this graph handed out, and this step still reads them."""
+        reset releases what this graph handed out (moved, or invalidated on torch 2.11), and
+        this step still reads them."""
         names = [self._placeholders[i].name for i in indices]
         self._warn_once(
             "rebound:" + ",".join(names),
             f"fxsplit {self.graph_id}: {', '.join(names)} (a parameter or buffer) moved on "
             "consecutive calls or is an output of a compiled graph, so fxsplit now copies it "
-            "like a runner input, every call, instead of recapturing. Either the model rebinds "
+            "like a runner input, every call until it holds still, instead of recapturing. Either "
+            "the model rebinds "
             "it in forward (update it in place with copy_ to avoid the copy), or several "
             "instances of one module class call this compiled graph (compile each with its own "
             "fxsplit.Backend).",
@@ -709,7 +718,9 @@ class GraphRuntime:
 
     def reset(self) -> int:
         """Free every captured graph and static buffer (keys start over with warmup); outputs
-        handed out of them are invalidated. Returns how many graphs were dropped."""
+        handed out of them and still held move to memory of their own
+        (:meth:`~fxsplit.runtime.output_lifetime.OutputLedger.release_order`). Returns how many
+        graphs were dropped."""
         dropped = 0
         for piece in self.pieces:
             for entry in piece.entries.values():

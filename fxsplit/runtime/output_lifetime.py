@@ -23,6 +23,13 @@ Before a replay that may overwrite a handed-out output still referenced anywhere
   step after it was overwritten is warned about once. A torch without ``_swap_data_ptr_``
   (2.11) invalidates as CUDA does where it has the error message hook, else hands out clones.
 
+Two kinds of held output are *moved* instead (a copy of their values into memory of their own,
+where this torch can move a storage, and no CUDA capture is under way on this thread): the
+outputs of a graph that is being freed (a reset, weights moved, a reordering recapture: no
+replay writes them again), and the model's own state (an output Dynamo stores into a module's
+buffers, or one that came back as a rebound buffer) before a replay overwrites it, since the
+model reads it back at its next call.
+
 Outputs whose storage dies are simply forgotten: a caller that drops what it does not keep pays
 nothing.
 
@@ -111,7 +118,7 @@ class OutputLedger:
         self._stale: dict[int, tuple[StorageWeakRef, str, int]] = {}
         self._state_slots: set[tuple[str, int]] = set()  # (graph, output position)
         self.invalidated = 0  # hand-outs invalidated while referenced, in all
-        self.moved = 0  # hand-outs moved to memory of their own when their graph was freed
+        self.moved = 0  # hand-outs moved to memory of their own (graph freed, or model state)
 
     def hand_out(
         self,
@@ -258,7 +265,7 @@ class OutputLedger:
     def _overwritten(self, handed: _HandOut, step: int) -> None:
         """A write is about to reuse ``handed``'s memory: the model's state moves (where this
         torch can move a storage), anything else is invalidated."""
-        if handed.state and _CAN_SWAP:
+        if handed.state and _may_move():
             self.moved += 1
             _move_out(handed.ref.cdata)
         else:
@@ -268,7 +275,7 @@ class OutputLedger:
         """Its graph is freed, so no replay will write it: where this torch can move a
         storage, its values move to memory of their own and it stays readable (a model's state
         rebound to an output survives a reset, as in eager); else it is invalidated."""
-        if _CAN_SWAP:
+        if _may_move():
             self.moved += 1
             _move_out(handed.ref.cdata)
         else:
@@ -284,9 +291,18 @@ class OutputLedger:
         self._stale[cdata] = (handed.ref, handed.graph_id, step)
 
 
+def _may_move() -> bool:
+    """Whether a held output may move to memory of its own now: this torch can move a storage,
+    and no CUDA capture is under way on this thread (a collected backend's finalizer may run
+    inside one: the copy would be recorded into that graph, its memory taken from its pool)."""
+    if not _CAN_SWAP:
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def _move_out(cdata: int) -> None:
     """Give the storage ``cdata`` a copy of its values in memory of its own (outside any pool:
-    called between captures)."""
+    never during a capture, see :func:`_may_move`)."""
     storage = torch.UntypedStorage._new_with_weak_ptr(cdata)
     if storage is None:
         return

@@ -90,11 +90,3 @@ class MemoryPool:
         """A new step of the model: any capture order may replay first."""
         self.step = step
         self.high = -1
-
-    def renew(self, reason: str) -> None:
-        """Every graph was dropped: invalidate what was handed out, and on CUDA take a fresh
-        pool."""
-        self.ledger.release_all(self.step)
-        self.owners.clear()
-        if self.cuda is not None:
-            self.cuda.renew(reason)
