@@ -551,13 +551,18 @@ def cases(draw):
         keep=draw(st.booleans()),
         late=tuple(draw(st.lists(st.integers(0, 1), max_size=3))),
         refuse_once=draw(st.integers(0, 3)) == 3,
-        reloads=tuple(
-            draw(
-                st.lists(
-                    st.tuples(st.integers(1, 10), st.sampled_from(RELOADS)),
-                    max_size=2 if draw(st.integers(0, 2)) == 2 else 0,
+        reloads=(
+            tuple(
+                draw(
+                    st.lists(
+                        st.tuples(st.integers(1, 10), st.sampled_from(RELOADS)),
+                        min_size=1,
+                        max_size=2,
+                    )
                 )
             )
+            if draw(st.integers(0, 2)) == 2
+            else ()
         ),
         options=draw(
             st.fixed_dictionaries(
