@@ -732,6 +732,10 @@ def _schedule(case: Case) -> list[int]:
     reads_int = any(ins[0] == "intarg" for ins, _, _ in _flatten(case.program))
     if reads_int and case.ints[0] != case.ints[1]:
         runs *= 2
+    if any(ins[:2] == ("state", "rebind") for ins, _, _ in _flatten(case.program)):
+        # a graph finds the state rebound when it moves to an output (its second call, where
+        # the first one's value came from an uncaptured run) and recaptures once
+        runs += 1
     if case.feedback:
         # the first call of a size reads a fresh tensor, the rest the fed-back output, whose
         # layout may differ: Dynamo guards on strides, so that can be a graph of its own
