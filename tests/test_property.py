@@ -29,7 +29,8 @@ replayed (``fxsplit.counters``). Runner v2 gets persistent input buffers refille
 contract); the others get fresh tensors. Loud outcomes are allowed where they are the contract:
 under ``on_capture_error="raise"`` a capture refusal (the same case under ``"fallback"`` must
 count one), and ``StaleOutputError`` for an output fed back into a step whose first graph does
-not read it (the case must then pass with ``clone_outputs``).
+not read it, or, on torch 2.11 (which cannot move a storage), for the model's rebound state
+overwritten by another graph's replay (the case must then pass with ``clone_outputs``).
 
 Profiles (``tests/conftest.py``, selected by ``HYPOTHESIS_PROFILE``): ``ci`` (default, 200
 examples, derandomized) and ``long`` (10,000 random examples):
@@ -873,14 +874,18 @@ def run_case(case: Case) -> fxsplit.Backend:
 
     Under ``on_capture_error="raise"`` a capture refusal may end the run: the same case under
     ``"fallback"`` must then have counted a refusal. A fed-back output that the model reads only
-    after a graph break may have been overwritten by the first graph's replays (a shared pool):
-    that must end in ``StaleOutputError``, and the case must pass with ``clone_outputs``.
+    after a graph break may have been overwritten by the first graph's replays (a shared pool),
+    and so may the model's rebound state on torch 2.11: that must end in ``StaleOutputError``,
+    and the case must pass with ``clone_outputs``.
     """
     try:
         return _run_case(case)
     except fxsplit.StaleOutputError as error:
         graph_break = any(ins[0] == "graph_break" for ins in case.program)
-        assert case.feedback and graph_break, f"unexpected stale output: {error}"
+        # torch 2.11 cannot move the model's state out of the pool: invalidated, loudly
+        rebinds = any(ins[:2] == ("state", "rebind") for ins, _, _ in _flatten(case.program))
+        expected = (case.feedback and graph_break) or (rebinds and not can_swap())
+        assert expected, f"unexpected stale output: {error}"
         assert "clone_outputs" in str(error), error
         return _run_case(dataclasses.replace(case, options={**case.options, "clone_outputs": True}))
     except Exception as error:
