@@ -628,11 +628,10 @@ class GraphRuntime:
             "rebound:" + ",".join(names),
             f"fxsplit {self.graph_id}: {', '.join(names)} (a parameter or buffer) moved on "
             "consecutive calls or is an output of a compiled graph, so fxsplit now copies it "
-            "like a runner input, every call until it holds still, instead of recapturing. Either "
-            "the model rebinds "
-            "it in forward (update it in place with copy_ to avoid the copy), or several "
-            "instances of one module class call this compiled graph (compile each with its own "
-            "fxsplit.Backend).",
+            "like a runner input, every call until it holds still, instead of recapturing. "
+            "Either the model rebinds it in forward (update it in place with copy_ to avoid the "
+            "copy), or several instances of one module class call this compiled graph (compile "
+            "each with its own fxsplit.Backend).",
         )
         self._volatile.update(names)
         self._params = [i for i in self._params if i not in indices]
