@@ -3,6 +3,7 @@ each call compared bit for bit with the same model run eagerly."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -18,13 +19,29 @@ pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 D = 4
 
 
-class _Rebinding(nn.Module):
+@contextlib.contextmanager
+def _quiet():
+    """No grad, and fxsplit's warnings (rebinding, held outputs) silenced: these tests compare
+    numbers and state, the warnings have tests of their own."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+        yield
+
+
+class _Linear(nn.Module):
+    """One frozen ``nn.Linear(D, D)`` made from seed 0; subclasses add their state."""
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.lin = nn.Linear(D, D)
-        self.register_buffer("t", torch.zeros(D))
         self.requires_grad_(False)
+
+
+class _Rebinding(_Linear):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("t", torch.zeros(D))
 
     def forward(self, x):
         h = self.lin(x) + self.t
@@ -47,8 +64,7 @@ def test_weights_reloaded_the_step_after_a_buffer_was_found_rebound_are_followed
     net = copy.deepcopy(eager)
     backend = fxsplit.Backend(capture="emulate", warmup_runs=0, runner=runner, input_binding="copy")
     model = torch.compile(net, backend=backend, dynamic=True)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(5):
             if step == 2:
                 g = torch.Generator().manual_seed(7)
@@ -102,8 +118,7 @@ def test_two_instances_sharing_a_graph_keep_their_rebound_state_readable():
     eager = _TwoHalves()
     net = copy.deepcopy(eager)
     model = torch.compile(net, backend=fxsplit.Backend(capture="emulate"))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(5):
             x = _x(step)
             assert torch.equal(model(x), eager(x)), step
@@ -120,8 +135,7 @@ def test_backend_reset_between_calls_leaves_rebound_state_readable():
     net = copy.deepcopy(eager)
     backend = fxsplit.Backend(capture="emulate", warmup_runs=0)
     model = torch.compile(net, backend=backend, dynamic=True)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(5):
             if step == 3:
                 backend.reset()
@@ -157,8 +171,7 @@ def test_state_rebound_by_one_graph_and_read_by_another_follows_eager():
     backend = fxsplit.Backend(capture="emulate", warmup_runs=0, runner="v1")
     model = torch.compile(net, backend=backend, dynamic=False)
     gen = torch.Generator().manual_seed(0)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(8):
             n = step % 2
             x = torch.randn(1 + step // 4, D, generator=gen)
@@ -178,8 +191,7 @@ def test_weights_written_through_data_after_two_reloads_follow_eager(warmup_runs
     backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs, runner="v1")
     model = torch.compile(net, backend=backend, dynamic=True)
     g = torch.Generator().manual_seed(7)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(10):
             if step in (2, 3):
                 new = {"lin.weight": torch.randn(D, D, generator=g)}
@@ -220,8 +232,7 @@ def test_a_model_rebinding_its_state_shares_a_backend_with_another():
     net, other = copy.deepcopy(eager), copy.deepcopy(other_eager)
     backend = fxsplit.Backend(capture="emulate")
     model, other_model = (torch.compile(m, backend=backend) for m in (net, other))
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(8):
             x = _x(step)
             assert torch.equal(model(x), eager(x)), step
@@ -246,8 +257,7 @@ def test_three_instances_compiled_one_by_one_capturing_at_once_keep_their_state(
     net = copy.deepcopy(eager)
     backend = fxsplit.Backend(capture="emulate", warmup_runs=0)
     layers = [torch.compile(m, backend=backend) for m in net]
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(4):
             want = got = _x(step)
             for m in eager:
@@ -287,8 +297,7 @@ def test_weights_read_after_a_graph_break_follow_a_write_through_data(warmup_run
     backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs)
     model = torch.compile(net, backend=backend)
     g = torch.Generator().manual_seed(7)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(7):
             if step == 4:
                 w = torch.randn(D, D, generator=g)
@@ -325,8 +334,7 @@ def test_a_weight_on_the_stack_at_a_graph_break_follows_a_write_through_data(war
     net = copy.deepcopy(eager)
     model = torch.compile(net, backend=fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs))
     g = torch.Generator().manual_seed(7)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(7):
             if step == 4:
                 w = torch.randn(D, D, generator=g)
@@ -350,16 +358,13 @@ def test_dynamo_says_which_outputs_a_graph_stores_into_buffers():
     assert not pool.ledger.handed_out(out).state
 
 
-class _CacheMadeInPrefill(nn.Module):
+class _CacheMadeInPrefill(_Linear):
     """Prefill (several tokens) makes the cache in the graph; decode (one token) updates it in
     place."""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(D, D)
         self.register_buffer("cache", torch.zeros(D))
-        self.requires_grad_(False)
 
     def forward(self, x):
         h = self.lin(x)
@@ -383,8 +388,7 @@ def test_a_cache_made_by_an_uncaptured_prefill_is_read_by_address_again_once_it_
     backend = fxsplit.Backend(capture="emulate", warmup_runs=0, capture_sizes=[1])
     model = torch.compile(net, backend=backend, dynamic=False)
     g = torch.Generator().manual_seed(0)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for generation in range(2):
             for step in range(8):
                 x = torch.randn(4 if step == 0 else 1, D, generator=g)
@@ -396,16 +400,13 @@ def test_a_cache_made_by_an_uncaptured_prefill_is_read_by_address_again_once_it_
     assert fxsplit.counters.snapshot()["replays"] > 0
 
 
-class _ViewStateAfterBreak(nn.Module):
+class _ViewStateAfterBreak(_Linear):
     """Rebinds t, after a graph break, to a view of the output it returns: one storage
     handed out at two output positions, the returned one first."""
 
     def __init__(self):
         super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(D, D)
         self.register_buffer("t", torch.zeros(D))
-        self.requires_grad_(False)
 
     def forward(self, x):
         h = x.sin() * 2
@@ -430,8 +431,7 @@ def test_state_sharing_a_storage_with_an_earlier_output_is_state_from_the_first_
     model = torch.compile(
         net, backend=fxsplit.Backend(capture="emulate", warmup_runs=0), dynamic=False
     )
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)
+    with _quiet():
         for step in range(5):
             x = _x(step)
             assert torch.equal(model(x), eager(x)), step
