@@ -21,7 +21,7 @@ from fxsplit import cache, counters, precompile, trace
 from fxsplit.config import Config
 from fxsplit.config_checks import ConfigChecks, WarnOnSecondCall
 from fxsplit.distributed import check_ranks
-from fxsplit.passes import Split, inductor, split
+from fxsplit.passes import Split, inductor, inductor_startup, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
 from fxsplit.runtime import replay_watch
@@ -133,7 +133,7 @@ class Backend:
         policy = _policy(config, frame)
         cuda = _cuda_device(example_inputs)
         if inductor.resolve(config.compile_pieces, cuda) == "inductor":
-            inductor.prepare(cuda)
+            inductor_startup.prepare(cuda)
         result = _split(gm, policy, config, graph_id, mode, example_inputs, frame)
         self._compile_pieces(result, config, example_inputs, frame, bundle)
         self._record(result, policy, config)
@@ -233,7 +233,9 @@ class Backend:
     def capture(self, model, inputs_by_size) -> None:
         """Capture every size up front: calls ``model(*inputs)`` for each size, largest first,
         ``max(warmup_runs, 1) + 1`` times, under one capture session (garbage collected once,
-        collector frozen throughout) with a tqdm progress bar where tqdm is installed.
+        collector frozen throughout) with a tqdm progress bar where tqdm is installed. A
+        precompiled graph's compiled pieces load first (they would otherwise wait for their
+        second call).
 
         The leading dimension of every tensor argument whose size equals the capture size is
         marked dynamic first (``torch._dynamo.maybe_mark_dynamic``), so all sizes share one graph:
@@ -255,6 +257,8 @@ class Backend:
 
         sizes = sorted(inputs_by_size, reverse=True)
         runs = max(self.config.warmup_runs, 1) + 1  # compiled pieces warm up once on CUDA
+        for result in self.compiled:  # a precompiled graph's pieces, loaded at once
+            inductor.load_deferred(result)
         for size in sizes if not _precompiled(model) else ():
             for arg in inputs_by_size[size]:
                 if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == size:

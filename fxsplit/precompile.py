@@ -223,7 +223,7 @@ class Precompiled(SerializableCallable):
 
         from fxsplit import __version__
         from fxsplit.backend import fxsplit_backend
-        from fxsplit.passes import inductor
+        from fxsplit.passes import inductor_startup
 
         found, state = pickle.loads(data)
         if found != FORMAT or state.versions[1] != __version__:
@@ -232,7 +232,7 @@ class Precompiled(SerializableCallable):
                 f"fxsplit {__version__} (format {FORMAT}): precompile again"
             )
         if state.pieces and not state.cuda:
-            inductor.prepare(None)  # overlaps the unpickling and the split
+            inductor_startup.prepare(None)  # overlaps the unpickling and the split
         gm = GraphPickler.loads(state.graph, FakeTensorMode(shape_env=ShapeEnv()))
         examples = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
         static = not state.dynamic
@@ -241,4 +241,6 @@ class Precompiled(SerializableCallable):
             torch._dynamo.config.patch(assume_static_by_default=static),
         ):
             forward = fxsplit_backend.build(gm, examples, state.config, state.frame, state.pieces)
+        if state.pieces:
+            inductor_startup.warm()  # beside the first call, which runs generated Python
         return cls(forward, state)

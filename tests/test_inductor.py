@@ -9,7 +9,7 @@ import torch
 
 import fxsplit
 from fxsplit import counters
-from fxsplit.passes import inductor, piece_key
+from fxsplit.passes import inductor, inductor_startup, piece_key
 from tests.stack import Stack
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
@@ -496,12 +496,12 @@ def test_the_background_isa_check_asks_what_inductor_asks_once_each(monkeypatch)
     alone = list(map(str, cpu_vec_isa.valid_vec_isa_list()))
     asked, builds[:] = sorted(builds), []
     _isa_checks_cleared()
-    monkeypatch.setattr(inductor, "_ISA_CHECK", None)
-    inductor.prepare(torch.device("cuda"))  # GPU pieces build no CPU kernels
-    assert inductor._ISA_CHECK is None
-    inductor.prepare(None)
-    inductor._isa_checked()
-    assert not inductor._ISA_CHECK.is_alive()
+    monkeypatch.setattr(inductor_startup, "_ISA_CHECK", None)
+    inductor_startup.prepare(torch.device("cuda"))  # GPU pieces build no CPU kernels
+    assert inductor_startup._ISA_CHECK is None
+    inductor_startup.prepare(None)
+    inductor_startup.ready()
+    assert not inductor_startup._ISA_CHECK.is_alive()
     assert list(map(str, cpu_vec_isa.valid_vec_isa_list())) == alone
     assert sorted(builds) == asked
 

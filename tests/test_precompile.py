@@ -100,16 +100,75 @@ def test_the_sizes_compiled_on_their_own_load_from_the_file(tmp_path):
     model = Stack(1)
     aot = _aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate", compile_sizes=(4,))
     loaded = _fresh_load(aot, tmp_path)
-    assert counters.snapshot()["pieces_compiled"] == 0
-    (split,) = fxsplit.backend.fxsplit_backend.compiled
-    pieces = [p.forward for p in split.materialised.pieces]
-    assert any(isinstance(f, inductor.InductorPiece) and set(f.sized) == {4} for f in pieces)
     with torch.no_grad():
         for n in (4, 3, 4, 4, 4):
             x = torch.randn(n, 8)
             torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    assert counters.snapshot()["pieces_compiled"] == 0
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    pieces = [p.forward for p in split.materialised.pieces]
+    assert any(isinstance(f, inductor.InductorPiece) and set(f.sized) == {4} for f in pieces)
     assert counters.snapshot()["replays"] > 0
     fxsplit.backend.fxsplit_backend.reset()
+
+
+def test_a_loaded_graph_runs_python_first_and_loads_its_pieces_at_the_second_call(tmp_path):
+    """The first call of a precompiled graph runs its pieces' generated Python (eager's
+    numbers) while Inductor starts up in the background; the second loads the compiled
+    pieces, whose first run is a warm-up: the first capture comes one call later than in a
+    traced graph, whatever the timing."""
+    model = Stack(1)
+    loaded = _fresh_load(_aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate"), tmp_path)
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    compiled = [p.forward for p in split.materialised.pieces if hasattr(p.forward, "pending")]
+    assert len(compiled) == 2 and all(f.artifact is None for f in compiled)
+    seen = []
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 8)
+            got, expected = loaded(model, x), model(x)
+            found = counters.snapshot()
+            seen.append((found["piece_cache_hits"], found["captures"], found["replays"]))
+            if len(seen) == 1:
+                assert torch.equal(got, expected)  # generated Python: eager's numbers
+            torch.testing.assert_close(got, expected, **TOLERANCE)
+    assert seen == [(0, 0, 0), (2, 0, 0), (2, 2, 0), (2, 2, 2)]
+    assert all(f.pending is None and f.artifact is not None for f in compiled)
+    assert {r.outcome for r in split.compiled_pieces} == {"bundle"}
+    assert counters.snapshot()["pieces_compiled"] == 0
+    fxsplit.backend.fxsplit_backend.reset()
+
+
+def test_a_bundled_piece_that_does_not_load_is_compiled_at_its_second_call(tmp_path, monkeypatch):
+    model, x = Stack(1), torch.randn(3, 8)
+    loaded = _fresh_load(_aot(model, (x,), tmp_path, capture="emulate"), tmp_path)
+
+    def unreadable(payload, folder=None):
+        raise RuntimeError("truncated")
+
+    monkeypatch.setattr(fxsplit.cache, "load_artifact", unreadable)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    assert counters.snapshot()["pieces_compiled"] == 2
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    assert {r.outcome for r in split.compiled_pieces} == {"compiled"}
+    fxsplit.backend.fxsplit_backend.reset()
+
+
+def test_capturing_a_loaded_graph_up_front_loads_its_pieces_first(tmp_path):
+    model = Stack(1)
+    loaded = _fresh_load(_aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate"), tmp_path)
+    backend = fxsplit.backend.fxsplit_backend
+    backend.capture(functools.partial(loaded, model), {n: (torch.randn(n, 8),) for n in (4, 2)})
+    assert counters.snapshot()["piece_cache_hits"] == 2
+    assert counters.snapshot()["captures"] == 4  # two pieces at each size
+    with torch.no_grad():
+        for n in (4, 2):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    assert counters.snapshot()["captures"] == 4 and counters.snapshot()["replays"] == 4
+    backend.reset()
 
 
 @pytest.mark.parametrize("earlier", ["compiled", "loaded"])

@@ -22,9 +22,9 @@ so it is tried once).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -36,7 +36,7 @@ import torch
 from torch.fx import Node
 
 from fxsplit import cache, counters
-from fxsplit.passes import global_state, partition, piece_graph, piece_key
+from fxsplit.passes import global_state, inductor_startup, partition, piece_graph, piece_key
 
 log = logging.getLogger("fxsplit")
 
@@ -53,8 +53,6 @@ _FAILED: dict[str, str] = {}
 # Their binary format, kept for precompiled graphs to bundle: an artifact Inductor loaded
 # cannot be saved again, and the piece cache it came from may be another graph's.
 _PAYLOADS: dict[str, bytes] = {}
-# Inductor's check of the CPU's vector instruction sets, started by prepare().
-_ISA_CHECK: threading.Thread | None = None
 
 
 @dataclass
@@ -102,9 +100,23 @@ class InductorPiece:
             for each size.
         tail: the views that make the piece's outputs from the artifact's results, or None
             (:class:`fxsplit.passes.piece_graph.PieceGraph`).
+        pending: a precompiled graph's artifact not loaded yet (:class:`Deferred`), else
+            None: the piece's first call runs its generated Python, its second loads the
+            artifact (``artifact`` is None until then).
     """
 
-    __slots__ = ("artifact", "eager", "inputs", "name", "single", "size_arg", "sized", "tail")
+    __slots__ = (
+        "artifact",
+        "eager",
+        "inputs",
+        "name",
+        "pending",
+        "ran",
+        "single",
+        "size_arg",
+        "sized",
+        "tail",
+    )
 
     def __init__(
         self,
@@ -116,6 +128,7 @@ class InductorPiece:
         size_arg=None,
         sized=None,
         tail=None,
+        pending: Deferred | None = None,
     ):
         self.artifact = artifact
         self.eager = eager
@@ -125,8 +138,12 @@ class InductorPiece:
         self.size_arg = size_arg
         self.sized = sized
         self.tail = tail
+        self.pending = pending
+        self.ran = False
 
     def __call__(self, *args):
+        if self.pending is not None:
+            return self._unloaded(args)
         given = args
         if self.inputs is not None:
             args = self.inputs(args)
@@ -139,8 +156,84 @@ class InductorPiece:
             out = self.tail(*given, *out)
         return out[0] if self.single else tuple(out)
 
+    @property
+    def ready(self) -> bool:
+        """Whether a call runs the code the piece keeps: false while a precompiled graph's
+        artifact is not loaded (the capture counts only ready calls as warm-ups: Triton
+        compiles a kernel at its first launch, which a CUDA capture would record)."""
+        return self.pending is None or self.pending.python
+
+    def _unloaded(self, args):
+        pending = self.pending
+        if not pending.done:
+            if not self.ran:
+                self.ran = True
+                return self.eager(*args)
+            pending.load()
+        if pending.python:  # neither loaded nor compiled: generated Python from now on
+            return self.eager(*args)
+        return self(*args)
+
     def __repr__(self) -> str:
         return f"inductor:{self.name}"
+
+
+class Deferred:
+    """The artifacts of one distinct piece of a precompiled graph, loaded from the graph's
+    bundle at the second call of any piece sharing them.
+
+    Loading is mostly Inductor's per-process start-up (:mod:`fxsplit.passes.inductor_startup`:
+    about 1 s on a CPU, more than a one-layer model's whole first call eagerly), which runs in
+    the background while the first call runs the pieces' generated Python, as Inductor's own
+    asynchronous compile runs a graph eagerly until its compiled code is ready
+    (``torch._inductor.compile_fx_async``). The switch is at a fixed call, not whenever the
+    load ends: which kernels compute a call's numbers, and when a piece captures, do not
+    depend on timing. The load itself runs on the calling thread: it patches Inductor's
+    global configuration while it runs.
+
+    Attributes:
+        members: the :class:`InductorPiece` of every piece sharing the artifacts.
+        done: loaded (or given up: ``python``).
+        python: the bundle's artifact could not be loaded, nor found or compiled in its
+            place: the pieces keep their generated Python.
+    """
+
+    def __init__(self, resolve, records: list[CompiledPiece], index: int, grad: bool):
+        self._resolve = resolve
+        self._records = records
+        self._index = index
+        self._grad = grad
+        self.members: list[InductorPiece] = []
+        self.done = False
+        self.python = False
+
+    def load(self) -> None:
+        """Load (or find, or compile) the artifacts, hand them to every member and record
+        the outcome in the graph's records (:attr:`fxsplit.passes.Split.compiled_pieces`)."""
+        with torch.set_grad_enabled(self._grad):
+            record, artifact, sized = self._resolve()
+        self._records[self._index] = record
+        self.done = True
+        if artifact is None:
+            self.python = True
+            log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
+            return
+        log.info(
+            "fxsplit: %s's compiled piece: %s at its second call",
+            record.pieces[0],
+            summary([record]),
+        )
+        for piece in self.members:
+            piece.artifact, piece.sized, piece.pending = artifact, sized, None
+
+
+def load_deferred(split) -> None:
+    """Load now what of ``split``'s compiled pieces waits for a second call
+    (:class:`Deferred`): capturing up front wants every piece as it will run."""
+    for module in split.materialised.pieces:
+        pending = getattr(module.forward, "pending", None)
+        if pending is not None and not pending.done:
+            pending.load()
 
 
 def resolve(mode: str, device: torch.device | None) -> str:
@@ -149,38 +242,6 @@ def resolve(mode: str, device: torch.device | None) -> str:
     if mode == "auto":
         return "inductor" if device is not None and device.type == "cuda" else "eager"
     return mode
-
-
-def prepare(device: torch.device | None) -> None:
-    """Start Inductor's per-process check of the CPU's vector instruction sets in the
-    background, once per process, where pieces compile or load for the CPU (``device`` None).
-
-    Before its first C++ kernel builds or loads, Inductor checks which instruction sets the
-    compiler may use: per check, a small build (cached on disk) and a child process that loads
-    it, ten checks and about 1 s in all on an x86 CPU with AMX, spent in the children. Started
-    before the split (before unpickling, for a precompiled graph), the children run beside the
-    split, the piece keys and the import of Inductor's compiler; loads and compiles join it
-    first (:func:`_isa_checked`). Checking the sets side by side was measured too: on two cores
-    it slows the main thread more than it shortens the check."""
-    global _ISA_CHECK
-    if device is not None or _ISA_CHECK is not None:
-        return
-    # what the check imports, imported here: the thread then never waits on the import lock
-    from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
-
-    _ISA_CHECK = threading.Thread(
-        target=cpu_vec_isa.valid_vec_isa_list, name="fxsplit-isa-check", daemon=True
-    )
-    _ISA_CHECK.start()
-
-
-def _isa_checked() -> None:
-    """Wait for :func:`prepare`'s check (Inductor would run it again if asked while it runs),
-    having imported Inductor's compiler meanwhile: loading an artifact needs it."""
-    import torch._inductor.compile_fx  # noqa: F401
-
-    if _ISA_CHECK is not None:
-        _ISA_CHECK.join()
 
 
 def forget() -> None:
@@ -266,33 +327,27 @@ def compile_pieces(
             results.append(CompiledPiece(names, EAGER, reason=failed, identity=identity))
             continue
         size_arg = _size_arg(piece, size, sizes)
-        wanted = sizes if size_arg is not None else ()
-        loading = time.perf_counter()
-        artifact = _from_bundle(bundle, identity)
-        sized = {n: _from_bundle(bundle, piece_key.sized_identity(identity, n)) for n in wanted}
-        if artifact is not None:
-            seconds = time.perf_counter() - loading
-            record = CompiledPiece(names, BUNDLE, seconds, identity=identity)
-        if artifact is None or None in sized.values():
-            key = piece_key.key(piece, dynamic, kind, piece_graph.objects(part_nodes, gm))
-            store = disk if key.portable else None
-            if not key.portable:
-                log.debug("fxsplit: %s is cached in memory only: %s", names[0], key.why)
-        if artifact is None:
-            record = CompiledPiece(names, *_compile(piece, key, store, dynamic), identity=identity)
+        objects = piece_graph.objects(part_nodes, gm)
+        resolve = functools.partial(
+            _artifacts,
+            piece,
+            names,
+            identity,
+            bundle,
+            sizes if size_arg is not None else (),
+            size,
+            functools.partial(_keyed, piece, names[0], dynamic, kind, objects, disk),
+            dynamic,
+        )
+        deferred = None
+        if bundle and isinstance(bundle.get(identity), bytes):
+            deferred = Deferred(resolve, results, len(results), grad_at_entry)
+            record, artifact, sized = CompiledPiece(names, BUNDLE, identity=identity), None, {}
+        else:
+            record, artifact, sized = resolve()
         results.append(record)
         if record.outcome == EAGER:
             continue
-        if artifact is None:
-            artifact = _MEMORY[key.name]
-        for n in wanted:
-            if sized[n] is None:
-                sized_key = key.sized(n)
-                at_n = _at_size(piece, size.node.expr, n)
-                if _compile(at_n, sized_key, store, "from_example_inputs")[0] != EAGER:
-                    sized[n] = _MEMORY[sized_key.name]
-                    record.sized[n] = sized_key.name
-        sized = {n: found for n, found in sized.items() if found is not None}
         for i in members:
             module = split.materialised.pieces[i]
             module.forward = InductorPiece(
@@ -304,13 +359,66 @@ def compile_pieces(
                 size_arg,
                 sized,
                 piece.tail,
+                deferred,
             )
+            if deferred is not None:
+                deferred.members.append(module.forward)
     for record in results:
         if record.outcome == EAGER:
             log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
     if results:
-        log.info("fxsplit %s compiled pieces: %s", split.plan.graph_id, summary(results, start))
+        deferred = sum(1 for r in results if r.outcome == BUNDLE and not r.seconds)
+        log.info(
+            "fxsplit %s compiled pieces: %s%s",
+            split.plan.graph_id,
+            summary(results, start),
+            f" ({deferred} from the bundle load at their pieces' second call)" if deferred else "",
+        )
     return results
+
+
+def _keyed(piece: piece_graph.PieceGraph, name: str, dynamic: str, kind: str, objects, disk):
+    """The piece's cache key and the store it is saved in (None: memory only)."""
+    key = piece_key.key(piece, dynamic, kind, objects)
+    if not key.portable:
+        log.debug("fxsplit: %s is cached in memory only: %s", name, key.why)
+    return key, disk if key.portable else None
+
+
+def _artifacts(
+    piece: piece_graph.PieceGraph,
+    names: tuple[str, ...],
+    identity: str,
+    bundle,
+    wanted: tuple[int, ...],
+    size,
+    keyed,
+    dynamic: str,
+):
+    """``(record, artifact, sized)`` for one distinct piece: its artifact from ``bundle``, else
+    from the piece cache or a compile (None when it stays generated Python), and the artifact
+    of each ``wanted`` token count the same way (``size``: the traced token count; ``keyed``:
+    the piece's key and store, asked only where something is not in the bundle)."""
+    loading = time.perf_counter()
+    artifact = _from_bundle(bundle, identity)
+    sized = {n: _from_bundle(bundle, piece_key.sized_identity(identity, n)) for n in wanted}
+    if artifact is not None:
+        record = CompiledPiece(names, BUNDLE, time.perf_counter() - loading, identity=identity)
+    if artifact is None or None in sized.values():
+        key, store = keyed()
+    if artifact is None:
+        record = CompiledPiece(names, *_compile(piece, key, store, dynamic), identity=identity)
+        if record.outcome == EAGER:
+            return record, None, {}
+        artifact = _MEMORY[key.name]
+    for n in wanted:
+        if sized[n] is None:
+            sized_key = key.sized(n)
+            at_n = _at_size(piece, size.node.expr, n)
+            if _compile(at_n, sized_key, store, "from_example_inputs")[0] != EAGER:
+                sized[n] = _MEMORY[sized_key.name]
+                record.sized[n] = sized_key.name
+    return record, artifact, {n: found for n, found in sized.items() if found is not None}
 
 
 def summary(records: list[CompiledPiece], start: float | None = None) -> str:
@@ -331,7 +439,7 @@ def _from_bundle(bundle, identity: str):
     cannot read it (the piece is then looked up or compiled as usual)."""
     if not bundle or identity not in bundle:
         return None
-    _isa_checked()
+    inductor_startup.ready()
     try:
         artifact = cache.load_artifact(bundle[identity])
     except Exception as error:
@@ -358,7 +466,7 @@ def _compile(piece: piece_graph.PieceGraph, found: piece_key.Key, disk, dynamic:
         if disk is not None and marker is None:
             disk.save_failure(key, failed)  # as for artifacts: this folder's next run knows
         return EAGER, 0.0, failed, None, None
-    _isa_checked()
+    inductor_startup.ready()
     stored = disk.load(key) if disk is not None else None
     if stored is not None:
         _MEMORY[key], _PAYLOADS[key] = stored

@@ -333,8 +333,10 @@ class CapturedPiece(torch.nn.Module):
         done = self.warmups.get(key, 0)
         before = torch._C._dynamo.guards.GlobalStateGuard()
         if done < self.min_warmups:
-            self.warmups[key] = done + 1
             out = self._uncaptured(inputs, key)
+            # a precompiled graph's piece running its Python until its artifact loads
+            if getattr(self.run_uncaptured, "ready", True):
+                self.warmups[key] = done + 1
             self._check_global_state(before)
             return out
         if len(self.entries) >= runtime.max_captured_keys:
