@@ -8,8 +8,11 @@ and guards, PyTorch's precompile). Under it the backend returns a :class:`Precom
 as fxsplit received it (``torch.fx._graph_pickler.GraphPickler``: nodes, example values as fake
 tensors, the shape environment), the options and what fxsplit knows of the frame, plus the
 compiled pieces in one bundle (Inductor's artifacts). Loading splits that graph again (cheap
-next to a Dynamo trace) and loads each piece from the bundle, keyed as the piece cache keys
-them; a piece missing from the bundle comes from the piece cache or is compiled.
+next to a Dynamo trace); each piece's artifact, keyed as the piece cache keys them, loads from
+the bundle at the piece's second call, while its first runs the piece's generated Python and
+Inductor's per-process start-up runs in the background
+(:class:`fxsplit.passes.inductor.Deferred`); a piece missing from the bundle comes from the
+piece cache or is compiled.
 
 What loading runs is what was compiled: PyTorch checks its version and the device, fxsplit its
 own version (:class:`PrecompileError` where they differ); a changed model (code, a config,
@@ -212,7 +215,8 @@ class Precompiled(SerializableCallable):
 
     @classmethod
     def deserialize_compile_artifacts(cls, data: bytes) -> Precompiled:
-        """Split the graph again and load its pieces from the bundle.
+        """Split the graph again; its compiled pieces load from the bundle at their second
+        call.
 
         Raises:
             PrecompileError: another fxsplit version or format.

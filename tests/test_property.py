@@ -454,6 +454,9 @@ class Case:
     late: tuple[int, ...] = ()  # extra warm-ups of piece i (cycled): pieces capture at later steps
     refuse_once: bool = False  # the first capture of every other piece is refused
     reloads: tuple[tuple[int, str], ...] = ()  # (step, one of RELOADS): the caller changes it
+    # compiled pieces load at their second call, the first runs their generated Python (what a
+    # precompiled graph does: fxsplit.passes.inductor.Deferred)
+    loaded: bool = False
     options: dict = field(default_factory=dict, compare=False)
 
 
@@ -730,6 +733,7 @@ def _schedule(case: Case) -> list[int]:
     # argument alternates between two keys per size.
     compiled = case.options.get("compile_pieces") == "inductor"
     runs = case.warmup_runs + compiled + max(case.late, default=0) + case.refuse_once + 2
+    runs += compiled and case.loaded  # the first call's Python is no warm-up of the artifact
     reads_int = any(ins[0] == "intarg" for ins, _, _ in _flatten(case.program))
     if reads_int and case.ints[0] != case.ints[1]:
         runs *= 2
@@ -919,7 +923,36 @@ def _reload(model: Interp, how: str, step: int) -> None:
         model.state = torch.rand(D, generator=gen) - 0.5
 
 
+def _loaded_later(split, *args, **kwargs) -> list[inductor.CompiledPiece]:
+    """``inductor.compile_pieces``, then every distinct compiled piece made to wait for its
+    second call as a precompiled graph's would (same :class:`inductor.Deferred`, loading the
+    artifact just compiled)."""
+    records = _compile_pieces(split, *args, **kwargs)
+    shared: dict[int, list[inductor.InductorPiece]] = {}
+    for module in split.materialised.pieces:
+        if isinstance(module.forward, inductor.InductorPiece):
+            shared.setdefault(id(module.forward.artifact), []).append(module.forward)
+    for members in shared.values():
+        first = members[0]
+        index = next(i for i, r in enumerate(records) if first.name in r.pieces)
+        found = (records[index], first.artifact, first.sized)
+        deferred = inductor.Deferred(lambda found=found: found, records, index, True)
+        for piece in members:
+            piece.artifact, piece.sized, piece.pending = None, {}, deferred
+            deferred.members.append(piece)
+    return records
+
+
+_compile_pieces = inductor.compile_pieces
+
+
 def _run_case(case: Case) -> fxsplit.Backend:
+    loaded = mock.patch.object(inductor, "compile_pieces", _loaded_later)
+    with loaded if case.loaded else contextlib.nullcontext():
+        return _run_calls(case)
+
+
+def _run_calls(case: Case) -> fxsplit.Backend:
     torch._dynamo.reset()
     counters.reset()
     # two identical models: state the program keeps between calls diverges otherwise
@@ -1107,12 +1140,14 @@ def test_inductor_pieces_equal_eager(tmp_path_factory):
     """A sample of the property with captured pieces compiled by Inductor (its C++ compile
     costs seconds per distinct piece: 8 programs in CI, FXSPLIT_INDUCTOR_EXAMPLES for more);
     half of them with ``compile_sizes`` (a compile per token count must not freeze the int
-    argument or another size). Pieces must really be compiled: the sample fails when no piece
-    of any program got an Inductor artifact (and, as every program, when one with captured
-    pieces replayed nothing under ``"emulate"``). Each program then runs again from a new trace
-    with nothing in memory, as a warm start would: every piece stored on disk by the first run
-    must be found under the same key (a key that follows a set's order, which changes with
-    the nodes' ids, compiled a piece again at every other warm start)."""
+    argument or another size), half of them loaded as a precompiled graph's pieces are (their
+    first call runs generated Python, the second switches to the artifact). Pieces must really
+    be compiled: the sample fails when no piece of any program got an Inductor artifact (and,
+    as every program, when one with captured pieces replayed nothing under ``"emulate"``).
+    Each program then runs again from a new trace with nothing in memory, as a warm start
+    would: every piece stored on disk by the first run must be found under the same key (a
+    key that follows a set's order, which changes with the nodes' ids, compiled a piece again
+    at every other warm start)."""
     folder = str(tmp_path_factory.getbasetemp() / "inductor_property")
     store = cache.PieceCache(Path(folder))
     compiled_programs = []
@@ -1121,14 +1156,14 @@ def test_inductor_pieces_equal_eager(tmp_path_factory):
         return {r.key for split in backend.compiled for r in split.compiled_pieces or () if r.key}
 
     @settings(max_examples=int(os.environ.get("FXSPLIT_INDUCTOR_EXAMPLES", 8)), derandomize=True)
-    @given(case=cases(), sized=st.booleans())
-    def check(case, sized):
+    @given(case=cases(), sized=st.booleans(), loaded=st.booleans())
+    def check(case, sized, loaded):
         options = {**case.options, "compile_pieces": "inductor", "cache_dir": folder}
         if sized:
             options["compile_sizes"] = [case.sizes[0]]
         # Inductor draws random numbers its own way unless told to call eager's ops
         with torch._inductor.config.patch(fallback_random=True):
-            backend = run_case(dataclasses.replace(case, options=options))
+            backend = run_case(dataclasses.replace(case, options=options, loaded=loaded))
             outcomes = [
                 r.outcome for split in backend.compiled for r in split.compiled_pieces or ()
             ]
@@ -1137,7 +1172,7 @@ def test_inductor_pieces_equal_eager(tmp_path_factory):
                 inductor.forget()
                 again = keys(run_case(dataclasses.replace(case, options=options)))
                 assert stored <= again, f"keys changed between two traces: {stored - again}"
-        event(f"piece outcomes: {sorted(set(outcomes))}, compile_sizes: {sized}")
+        event(f"piece outcomes: {sorted(set(outcomes))}, compile_sizes: {sized}, loaded: {loaded}")
         if any(o != "eager" for o in outcomes):
             compiled_programs.append(case)
 

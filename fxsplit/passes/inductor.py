@@ -11,7 +11,8 @@ functionalization, then Inductor: Triton kernels on GPUs, C++ on the CPU; Induct
 graphs off, fxsplit captures), with the dynamic sizes Dynamo traced (one symbolic compile per
 piece; floats as :mod:`fxsplit.passes.piece_graph` describes). Artifacts are kept in memory for
 the process and on disk (:mod:`fxsplit.cache`) for later runs, under the key of
-:mod:`fxsplit.passes.piece_key`. Pieces Inductor should not compile keep their generated Python,
+:mod:`fxsplit.passes.piece_key`; a precompiled graph's travel in its bundle and load at their
+second call (:class:`Deferred`). Pieces Inductor should not compile keep their generated Python,
 with the reason recorded: pieces that re-enter global state across a boundary, draw random
 numbers (Inductor's generator would give other numbers than eager), take non-tensor inputs
 other than sizes (the subgraphs of higher-order ops), return nothing or non-tensors, or read
