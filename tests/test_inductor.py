@@ -506,6 +506,18 @@ def test_the_background_isa_check_asks_what_inductor_asks_once_each(monkeypatch)
     assert sorted(builds) == asked
 
 
+def test_inductor_warms_up_once_in_the_background(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(inductor_startup, "_WARM", None)
+    inductor_startup.warm()
+    thread = inductor_startup._WARM
+    inductor_startup.warm()
+    assert inductor_startup._WARM is thread
+    inductor_startup.warmed()
+    assert not thread.is_alive() and "torch._inductor.compile_fx" in sys.modules
+
+
 class _TwoBases(torch.nn.Module):
     """Two values each split in halves at the end of the first piece, the halves read by an
     eager region: the compiled graph returns both bases, ``g`` then ``h``."""

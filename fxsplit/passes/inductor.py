@@ -291,6 +291,7 @@ def compile_pieces(
         one :class:`CompiledPiece` per distinct captured piece, in graph order.
     """
     start = time.perf_counter()
+    inductor_startup.warmed()  # a precompiled graph loaded just before may still import
     gm = split.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
     floats = piece_graph.float_sources(gm)

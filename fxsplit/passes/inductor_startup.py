@@ -62,11 +62,18 @@ def _warm() -> None:
     torch_key()
 
 
+def warmed() -> None:
+    """Wait for :func:`warm`'s thread, where one runs: a compile imports much of what it
+    imports, and two threads importing modules that import each other can hand one of them a
+    partly initialised module."""
+    if _WARM is not None:
+        _WARM.join()
+
+
 def ready() -> None:
     """Wait for :func:`warm` and :func:`prepare` (Inductor would run the check again if asked
     while it runs), having imported Inductor's compiler: loading an artifact needs it."""
-    if _WARM is not None:
-        _WARM.join()
+    warmed()
     import torch._inductor.compile_fx  # noqa: F401
 
     if _ISA_CHECK is not None:
