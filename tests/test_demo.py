@@ -75,6 +75,20 @@ def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, c
     assert [line for line in out.splitlines() if line != line.rstrip()] == []  # no padding
 
 
+def test_demo_says_where_the_dump_folders_go(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(demo, "_deepseek", lambda console, runner, compile_pieces: True)
+    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console, compile_pieces: True)
+    monkeypatch.setattr(demo.hf_deepseek_v4, "available", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FXSPLIT_DUMP_DIR", "dumps")
+    assert demo.run() == 0
+    out = " ".join(capsys.readouterr().out.split())  # wrapped at the console's width
+    assert f"dump folders: one per compiled graph, in {tmp_path / 'dumps'}" in out
+    monkeypatch.delenv("FXSPLIT_DUMP_DIR")
+    assert demo.run() == 0
+    assert "dump folders" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("compile_pieces", "said"),
     [

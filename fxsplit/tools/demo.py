@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
 import fxsplit
+from fxsplit.config import Config
 from fxsplit.models import deepseek_v4, hf_architectures, hf_deepseek_v4
 from fxsplit.plan import SplitPlan
 from fxsplit.tools.dump import plan_table, titled
@@ -436,6 +438,9 @@ def run(
     console.print(f"capture: {mode} on {device}; pieces: {pieces}; torch {torch.__version__}")
     print_legend(console)
     _print_wrapped(console, _tolerance_line(compile_pieces, device))
+    dumps = Config().dump_folder
+    if dumps:
+        _print_wrapped(console, f"dump folders: one per compiled graph, in {Path(dumps).resolve()}")
     if model is not None:
         ok = _model(console, model, compile_pieces)
         console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")
