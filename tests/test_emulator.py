@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fxsplit.runtime.emulated_pool import EmulatedPool
-from fxsplit.runtime.emulator import CaptureError, EmulatedGraph, call_opaque
+from fxsplit.runtime.emulator import CaptureError, EmulatedGraph, MovedMemoryError, call_opaque
 
 
 @torch.library.custom_op("fxsplit_emutest::scale_into", mutates_args=("out",))
@@ -505,3 +505,20 @@ def test_a_block_freed_during_capture_is_reused_within_the_same_capture():
     x.copy_(torch.randn(4096))
     g.replay()
     assert torch.equal(out, (x + 1) * 2 - 3)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch cannot move memory"
+)
+def test_a_replay_refuses_memory_moved_since_capture():
+    """A storage's data moved after capture (``_swap_data_ptr_``, how fxsplit gives a held
+    output memory of its own): the record would follow it, a CUDA graph would read the old
+    address. The emulator raises instead of differing from CUDA."""
+    x, w = torch.randn(4), torch.randn(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda: x * w)
+    g.replay()
+    torch.testing.assert_close(out, x * w)
+    w.untyped_storage()._swap_data_ptr_(w.untyped_storage().clone())
+    with pytest.raises(MovedMemoryError, match="would read and write its old address"):
+        g.replay()

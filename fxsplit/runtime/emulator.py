@@ -39,7 +39,7 @@ from fxsplit.passes.ops import dispatched_op_name
 from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.storage import storage_ptr
 
-__all__ = ["CaptureError", "EmulatedGraph", "call_opaque"]
+__all__ = ["CaptureError", "EmulatedGraph", "MovedMemoryError", "call_opaque"]
 
 aten = torch.ops.aten
 
@@ -56,6 +56,14 @@ class CaptureError(RuntimeError):
         self.op = op
         self.reason = reason
         super().__init__(f"{op} is illegal during CUDA graph capture: {reason}")
+
+
+class MovedMemoryError(RuntimeError):
+    """A replay of an :class:`EmulatedGraph` found memory its record uses at another address
+    than at capture (a storage's data moved: ``UntypedStorage._swap_data_ptr_``, which fxsplit
+    uses to give a held output memory of its own). The emulator's record would follow the
+    storage; a CUDA graph replays kernels on the captured addresses and would read and write
+    the old memory, silently: the emulator refuses to differ."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,6 +359,17 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _addresses(steps: tuple[tuple, ...]) -> tuple[tuple[torch.UntypedStorage, int], ...]:
+    """Each distinct storage the record reads or writes, with its address at capture."""
+    found: dict[int, tuple[torch.UntypedStorage, int]] = {}
+    for _, _, args, kwargs, dst in steps:
+        for leaf in tree_leaves((args, kwargs, dst)):
+            if type(leaf) in _PLAIN and leaf.layout == torch.strided:
+                storage = leaf.untyped_storage()
+                found.setdefault(storage._cdata, (storage, storage.data_ptr()))
+    return tuple(found.values())
+
+
 def call_opaque(fn: Callable, args: tuple) -> Any:
     """``fn(*args)``; inside an emulated capture on this thread, recorded as one unit.
 
@@ -533,6 +552,7 @@ class EmulatedGraph:
         self.pool = pool if pool is not None else EmulatedPool()
         self._steps: tuple[tuple, ...] | None = None
         self._actions: tuple[tuple[str, str], ...] = ()
+        self._addresses: tuple[tuple[torch.UntypedStorage, int], ...] = ()
         self._error: CaptureError | None = None
         self._recorder: _Recorder | None = None
 
@@ -588,6 +608,7 @@ class EmulatedGraph:
             ) from err
         self._steps = tuple(recorder.steps)
         self._actions = tuple(recorder.actions)
+        self._addresses = _addresses(self._steps)
         return result
 
     def check(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -628,10 +649,18 @@ class EmulatedGraph:
 
         Raises:
             RuntimeError: nothing has been captured (or the graph was reset).
+            MovedMemoryError: memory the record uses moved since capture (see there).
         """
         steps = self._steps
         if steps is None:
             raise RuntimeError("EmulatedGraph.replay() before a successful capture()")
+        for storage, address in self._addresses:
+            if storage.data_ptr() != address:
+                raise MovedMemoryError(
+                    f"{self!r}: a storage of {storage.nbytes()} bytes it recorded at capture has "
+                    "moved to other memory since; a CUDA graph would read and write its old "
+                    "address"
+                )
         # Inference mode: a captured piece may have made inference tensors (an inference_mode
         # block inside it), which only inference mode may write; a kernel has no grad mode.
         with torch.inference_mode(), torch._C._DisableAutocast():
@@ -662,6 +691,7 @@ class EmulatedGraph:
         """Drop the record and the references it holds to tensors (so they can be freed)."""
         self._steps = None
         self._actions = ()
+        self._addresses = ()
 
     @property
     def num_ops(self) -> int:
