@@ -10,6 +10,8 @@ import pickle
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -153,6 +155,46 @@ def test_a_bundled_piece_that_does_not_load_is_compiled_at_its_second_call(tmp_p
     assert counters.snapshot()["pieces_compiled"] == 2
     (split,) = fxsplit.backend.fxsplit_backend.compiled
     assert {r.outcome for r in split.compiled_pieces} == {"compiled"}
+    fxsplit.backend.fxsplit_backend.reset()
+
+
+def test_threads_making_their_second_calls_at_once_load_each_piece_once(tmp_path, monkeypatch):
+    """Second calls from several threads at once: one loads a distinct piece, the others wait
+    for it and run what it loaded (not a load, or a compile, of their own each: Inductor's
+    compiles do not run side by side)."""
+    model = Stack(1)
+    aot = _aot(model, (torch.randn(3, 8),), tmp_path, capture="off")
+    loaded = _fresh_load(aot, tmp_path)
+    load = fxsplit.cache.load_artifact
+    loads = []
+
+    def slow(payload, folder=None):
+        loads.append(payload)
+        time.sleep(0.3)  # the other threads reach the piece meanwhile
+        return load(payload, folder)
+
+    monkeypatch.setattr(fxsplit.cache, "load_artifact", slow)
+    with torch.no_grad():
+        loaded(model, torch.randn(3, 8))  # every piece's first call: generated Python
+    start, failures = threading.Barrier(3), []
+
+    def second_call():
+        start.wait()
+        try:
+            with torch.no_grad():
+                x = torch.randn(3, 8)
+                torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+        except BaseException as error:  # reported on the main thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=second_call) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert len(loads) == 2  # two distinct pieces, each loaded once
+    assert counters.snapshot()["piece_cache_hits"] == 2
     fxsplit.backend.fxsplit_backend.reset()
 
 

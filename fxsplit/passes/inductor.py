@@ -26,6 +26,7 @@ import contextlib
 import functools
 import logging
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -190,7 +191,9 @@ class Deferred:
     (``torch._inductor.compile_fx_async``). The switch is at a fixed call, not whenever the
     load ends: which kernels compute a call's numbers, and when a piece captures, do not
     depend on timing. The load itself runs on the calling thread: it patches Inductor's
-    global configuration while it runs.
+    global configuration while it runs. Threads reaching it together wait for the first one's
+    load (one load, or compile, per distinct piece), and ``done`` is set once every member
+    runs the result.
 
     Attributes:
         members: the :class:`InductorPiece` of every piece sharing the artifacts.
@@ -207,25 +210,31 @@ class Deferred:
         self.members: list[InductorPiece] = []
         self.done = False
         self.python = False
+        self._lock = threading.Lock()
 
     def load(self) -> None:
         """Load (or find, or compile) the artifacts, hand them to every member and record
-        the outcome in the graph's records (:attr:`fxsplit.passes.Split.compiled_pieces`)."""
-        with torch.set_grad_enabled(self._grad):
-            record, artifact, sized = self._resolve()
-        self._records[self._index] = record
-        self.done = True
-        if artifact is None:
-            self.python = True
-            log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
-            return
-        log.info(
-            "fxsplit: %s's compiled piece: %s at its second call",
-            record.pieces[0],
-            summary([record]),
-        )
-        for piece in self.members:
-            piece.artifact, piece.sized, piece.pending = artifact, sized, None
+        the outcome in the graph's records (:attr:`fxsplit.passes.Split.compiled_pieces`);
+        nothing where another thread did (this one waits for it)."""
+        with self._lock:
+            if self.done:
+                return
+            with torch.set_grad_enabled(self._grad):
+                record, artifact, sized = self._resolve()
+            self._records[self._index] = record
+            if artifact is None:
+                self.python = True
+                self.done = True
+                log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
+                return
+            log.info(
+                "fxsplit: %s's compiled piece: %s at its second call",
+                record.pieces[0],
+                summary([record]),
+            )
+            for piece in self.members:
+                piece.artifact, piece.sized, piece.pending = artifact, sized, None
+            self.done = True
 
 
 def load_deferred(split) -> None:
