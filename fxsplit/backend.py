@@ -257,8 +257,7 @@ class Backend:
 
         sizes = sorted(inputs_by_size, reverse=True)
         runs = max(self.config.warmup_runs, 1) + 1  # compiled pieces warm up once on CUDA
-        for result in self.compiled:  # a precompiled graph's pieces, loaded at once
-            inductor.load_deferred(result)
+        inductor.load_deferred()  # a precompiled graph's pieces, loaded at once
         for size in sizes if not _precompiled(model) else ():
             for arg in inputs_by_size[size]:
                 if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == size:

@@ -518,6 +518,24 @@ def test_inductor_warms_up_once_in_the_background(monkeypatch):
     assert not thread.is_alive() and "torch._inductor.compile_fx" in sys.modules
 
 
+def test_a_process_ending_while_inductor_warms_up_ends_cleanly():
+    """A process that exits right after loading a precompiled graph (its background import of
+    Inductor still running) prints no traceback from that thread."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from fxsplit.passes import inductor_startup\n"
+        "inductor_startup.warm()\n"
+        "sys.exit(0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+
+
 class _TwoBases(torch.nn.Module):
     """Two values each split in halves at the end of the first piece, the halves read by an
     eager region: the compiled graph returns both bases, ``g`` then ``h``."""

@@ -28,6 +28,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -47,8 +48,17 @@ COMPILE_MODES = ("auto", "inductor", "eager")
 # What Inductor's pass for Python scalars raises when a float must be specialised.
 RestartAnalysis = torch._dynamo.exc.TensorifyScalarRestartAnalysis
 COMPILED, DISK, MEMORY, BUNDLE, EAGER = "compiled", "disk", "memory", "bundle", "eager"
+PENDING = "pending"  # a precompiled graph's piece, loaded from its bundle at its second call
 
 _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+# Precompiled graphs' pieces waiting for their second call (Deferred), while they live.
+_DEFERRED: weakref.WeakSet = weakref.WeakSet()
+_OUTCOME_WORDS = {
+    BUNDLE: "loaded from the bundle",
+    DISK: "loaded from the piece cache",
+    MEMORY: "found in memory",
+    COMPILED: "compiled",
+}
 # Artifacts compiled or loaded in this process, and why Inductor failed, by cache key.
 _MEMORY: dict[str, object] = {}
 _FAILED: dict[str, str] = {}
@@ -64,7 +74,8 @@ class CompiledPiece:
     Attributes:
         pieces: the pieces sharing it, in order (the first is the one compiled).
         outcome: ``"compiled"`` (by Inductor now), ``"disk"`` / ``"memory"`` (cache hits),
-            ``"bundle"`` (loaded with a precompiled graph) or ``"eager"`` (kept as generated
+            ``"bundle"`` (loaded with a precompiled graph), ``"pending"`` (to load from the
+            precompiled graph's bundle at its second call) or ``"eager"`` (kept as generated
             Python; see ``reason``).
         seconds: wall time of the compile or load.
         reason: why it stayed eager; None otherwise.
@@ -211,6 +222,7 @@ class Deferred:
         self.done = False
         self.python = False
         self._lock = threading.Lock()
+        _DEFERRED.add(self)
 
     def load(self) -> None:
         """Load (or find, or compile) the artifacts, hand them to every member and record
@@ -228,22 +240,21 @@ class Deferred:
                 log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
                 return
             log.info(
-                "fxsplit: %s's compiled piece: %s at its second call",
+                "fxsplit: %s at its second call: %s, %.2f s",
                 record.pieces[0],
-                summary([record]),
+                _OUTCOME_WORDS[record.outcome],
+                record.seconds,
             )
             for piece in self.members:
                 piece.artifact, piece.sized, piece.pending = artifact, sized, None
             self.done = True
 
 
-def load_deferred(split) -> None:
-    """Load now what of ``split``'s compiled pieces waits for a second call
+def load_deferred() -> None:
+    """Load now every compiled piece of this process that waits for its second call
     (:class:`Deferred`): capturing up front wants every piece as it will run."""
-    for module in split.materialised.pieces:
-        pending = getattr(module.forward, "pending", None)
-        if pending is not None and not pending.done:
-            pending.load()
+    for deferred in list(_DEFERRED):
+        deferred.load()
 
 
 def resolve(mode: str, device: torch.device | None) -> str:
@@ -353,7 +364,7 @@ def compile_pieces(
         deferred = None
         if bundle and isinstance(bundle.get(identity), bytes):
             deferred = Deferred(resolve, results, len(results), grad_at_entry)
-            record, artifact, sized = CompiledPiece(names, BUNDLE, identity=identity), None, {}
+            record, artifact, sized = CompiledPiece(names, PENDING, identity=identity), None, {}
         else:
             record, artifact, sized = resolve()
         results.append(record)
@@ -378,13 +389,7 @@ def compile_pieces(
         if record.outcome == EAGER:
             log.info("fxsplit: %s not compiled: %s", record.pieces[0], record.reason)
     if results:
-        deferred = sum(1 for r in results if r.outcome == BUNDLE and not r.seconds)
-        log.info(
-            "fxsplit %s compiled pieces: %s%s",
-            split.plan.graph_id,
-            summary(results, start),
-            f" ({deferred} from the bundle load at their pieces' second call)" if deferred else "",
-        )
+        log.info("fxsplit %s compiled pieces: %s", split.plan.graph_id, summary(results, start))
     return results
 
 
@@ -433,15 +438,19 @@ def _artifacts(
 
 
 def summary(records: list[CompiledPiece], start: float | None = None) -> str:
-    """``"3 distinct: 1 compiled, 2 loaded (2 disk), 0 left as Python, 4.2 s"``; the seconds
-    are the records' own, or since ``start`` (``time.perf_counter()``)."""
+    """``"3 distinct: 1 compiled, 2 loaded (2 disk), 0 left as Python, 4.2 s"`` (and ``", 2 to
+    load at their second call"`` for a precompiled graph's pending pieces); the seconds are the
+    records' own, or since ``start`` (``time.perf_counter()``)."""
     outcomes = Counter(r.outcome for r in records)
     loaded = outcomes[DISK] + outcomes[MEMORY] + outcomes[BUNDLE]
     where = ", ".join(f"{outcomes[o]} {o}" for o in (DISK, MEMORY, BUNDLE) if outcomes[o])
+    pending = outcomes[PENDING]
     seconds = time.perf_counter() - start if start is not None else sum(r.seconds for r in records)
     return (
         f"{len(records)} distinct: {outcomes[COMPILED]} compiled, {loaded} loaded"
-        f"{f' ({where})' if where else ''}, {outcomes[EAGER]} left as Python, {seconds:.1f} s"
+        f"{f' ({where})' if where else ''}"
+        f"{f', {pending} to load at their second call' if pending else ''}, "
+        f"{outcomes[EAGER]} left as Python, {seconds:.1f} s"
     )
 
 

@@ -11,6 +11,7 @@ its pieces' generated Python; :func:`ready` joins them before the first load or 
 
 from __future__ import annotations
 
+import atexit
 import threading
 
 import torch
@@ -51,8 +52,16 @@ def warm() -> None:
     global _WARM
     if _WARM is not None:
         return
+    # What the import registers with threading's exit hooks, which refuse it once the
+    # interpreter starts shutting down: imported here, before a process that ends right after
+    # loading can start to
+    import concurrent.futures.process
+    import concurrent.futures.thread  # noqa: F401
+
     _WARM = threading.Thread(target=_warm, name="fxsplit-inductor-warm", daemon=True)
     _WARM.start()
+    # and such a process waits for the import (cut short by the shutdown, it prints a traceback)
+    atexit.register(_WARM.join)
 
 
 def _warm() -> None:

@@ -211,7 +211,7 @@ def plan_dict(split, *, example_inputs=None) -> dict:
 def compiled_dict(records) -> list[dict]:
     """The Inductor pass's records (:class:`fxsplit.passes.inductor.CompiledPiece`) as JSON-ready
     data (the content of ``compiled.json``): per distinct captured piece, the ``pieces`` sharing
-    it, ``outcome`` (compiled / disk / memory / bundle / eager), ``seconds``, ``reason``,
+    it, ``outcome`` (compiled / disk / memory / bundle / pending / eager), ``seconds``, ``reason``,
     ``key`` and ``code_file`` (Inductor's output code, where this process generated it)."""
     return [
         {
