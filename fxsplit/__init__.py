@@ -33,6 +33,7 @@ _LAZY = {
     "BindingError": "fxsplit.runtime.binding",
     "CaptureError": "fxsplit.runtime.emulator",
     "CaptureRefusedError": "fxsplit.runtime.captured",
+    "ConcurrentCallError": "fxsplit.runtime.graph_runtime",
     "Config": "fxsplit.config",
     "Piece": "fxsplit.plan",
     "RankMismatchError": "fxsplit.distributed",
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from fxsplit.runtime.binding import BindingError
     from fxsplit.runtime.captured import CaptureRefusedError, VerifyError
     from fxsplit.runtime.emulator import CaptureError
+    from fxsplit.runtime.graph_runtime import ConcurrentCallError
     from fxsplit.runtime.output_lifetime import StaleOutputError
 
 
@@ -79,6 +81,7 @@ __all__ = [
     "BindingError",
     "CaptureError",
     "CaptureRefusedError",
+    "ConcurrentCallError",
     "Config",
     "FxsplitRuntimeWarning",
     "FxsplitWarning",

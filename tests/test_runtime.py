@@ -1074,3 +1074,48 @@ def test_stats_keys_read_as_sizes_and_typed_host_values():
     keys = {key for pieces in backend.stats.values() for p in pieces.values() for key in p}
     assert "4, 8, int 3" in keys, keys  # the sizes of x, then n
     assert not any("class" in key for key in keys), keys
+
+
+def test_a_call_while_another_thread_is_inside_one_raises_and_changes_nothing():
+    """One Backend's graphs share a memory pool and static buffers: a call from a second
+    thread while a first is inside one would read and write the first one's memory (wrong
+    numbers, found with four threads). It raises before touching anything."""
+    import threading
+
+    from tests.stack import Stack
+
+    model, backend = Stack(1), fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(torch.randn(3, 8))
+    (runtime,) = backend.runtimes
+    forward, inside, release, got = runtime._forward, threading.Event(), threading.Event(), []
+
+    def blocking(*args):
+        inside.set()
+        release.wait(30)
+        return forward(*args)
+
+    def first(x):
+        with torch.no_grad():
+            got.append(compiled(x))
+
+    x = torch.randn(3, 8)
+    runtime._forward = blocking
+    thread = threading.Thread(target=first, args=(x,))
+    thread.start()
+    try:
+        assert inside.wait(30)
+        runtime._forward = forward
+        with torch.no_grad(), pytest.raises(fxsplit.ConcurrentCallError, match="another thread"):
+            compiled(torch.randn(3, 8))
+    finally:
+        release.set()
+        thread.join(30)
+    replays = counters.snapshot()["replays"]
+    with torch.no_grad():
+        torch.testing.assert_close(got[0], model(x))
+        y = torch.randn(3, 8)
+        torch.testing.assert_close(compiled(y), model(y))
+    assert counters.snapshot()["replays"] > replays

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -37,6 +38,13 @@ _GRAD = "grad is enabled and an input requires grad"
 # Calls a rebound parameter must hold still before it is read by address again: a model that
 # rebinds its state hands a new tensor every call, so it never gets there.
 _SETTLED = 3
+
+
+class ConcurrentCallError(RuntimeError):
+    """A compiled graph was called while another thread was inside a call of a graph of the
+    same backend. Its graphs share a memory pool and static buffers (and a step is one call of
+    the model), so overlapping calls would read and write one another's memory: call a
+    backend's compiled models from one thread at a time."""
 
 
 class CaptureSession:
@@ -74,6 +82,35 @@ class CaptureSession:
         self._taken: dict[int, StorageWeakRef] = {}  # private copies of a call under way
         self._warned_held = False
         self._warned_kept: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()  # held by the thread inside a call (own / disown)
+        self._owner: int | None = None
+        self._owned = 0
+
+    def own(self, graph_id: str) -> None:
+        """The calling thread enters a call of a graph (again, where it is already inside one:
+        a graph called from another's eager code).
+
+        Raises:
+            ConcurrentCallError: another thread is inside a call (nothing is changed).
+        """
+        me = threading.get_ident()
+        if self._owner == me:
+            self._owned += 1
+            return
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentCallError(
+                f"fxsplit {graph_id}: called while another thread is inside a call of a model "
+                "compiled with the same backend; its graphs share a memory pool and static "
+                "buffers: call them from one thread at a time (a lock around the call)"
+            )
+        self._owner, self._owned = me, 1
+
+    def disown(self) -> None:
+        """The calling thread leaves the call :meth:`own` entered."""
+        self._owned -= 1
+        if not self._owned:
+            self._owner = None
+            self._lock.release()
 
     def pool(self, mode: str, device: torch.device) -> MemoryPool:
         """The memory pool of ``mode`` (``"cuda"`` / ``"emulate"``) on ``device``."""
@@ -422,8 +459,15 @@ class GraphRuntime:
         return pieces
 
     def __call__(self, *args):
-        self._steps += 1
         session = self.session
+        session.own(self.graph_id)
+        try:
+            return self._call(session, args)
+        finally:
+            session.disown()
+
+    def _call(self, session: CaptureSession, args: tuple):
+        self._steps += 1
         session.begin_call(self, self._entered)
         pool = self.pool
         if pool is not None:
@@ -827,4 +871,4 @@ def _hand_back(out: tuple, handed: list, graph_id: str) -> tuple:
     )
 
 
-__all__ = ["CaptureSession", "Frame", "GraphRuntime", "PieceStats"]
+__all__ = ["CaptureSession", "ConcurrentCallError", "Frame", "GraphRuntime", "PieceStats"]
