@@ -198,6 +198,56 @@ def test_threads_making_their_second_calls_at_once_load_each_piece_once(tmp_path
     fxsplit.backend.fxsplit_backend.reset()
 
 
+def test_a_load_by_another_thread_during_a_first_call_does_not_count_it_as_a_warm_up(tmp_path):
+    """Another thread may load the pieces while a first call runs their generated Python
+    (``Backend.capture`` of any backend loads every waiting piece of the process): that call
+    ran no compiled code, so it is no warm-up, and the compiled code's first run (Triton's
+    first launch compiles on CUDA) never lands inside the next call's capture."""
+    from fxsplit.runtime import emulator
+
+    model = Stack(1)
+    loaded = _fresh_load(_aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate"), tmp_path)
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    compiled = [p.forward for p in split.materialised.pieces if hasattr(p.forward, "pending")]
+    first_run_captured = []
+
+    def watched(resolve):
+        def resolved():
+            record, artifact, sized = resolve()
+            runs = []
+
+            def run(*args):
+                if not runs:
+                    graph = getattr(emulator._tls, "active", None)
+                    first_run_captured.append(graph is not None and graph._recorder is not None)
+                runs.append(1)
+                return artifact(*args)
+
+            return record, run, sized
+
+        return resolved
+
+    for piece in compiled:
+        piece.pending._resolve = watched(piece.pending._resolve)
+    eager = compiled[0].eager
+
+    def then_another_thread_loads(*args):
+        out = eager(*args)
+        other = threading.Thread(target=inductor.load_deferred)
+        other.start()
+        other.join()
+        return out
+
+    compiled[0].eager = then_another_thread_loads
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    assert first_run_captured == [False, False]
+    assert counters.snapshot()["replays"] > 0
+    fxsplit.backend.fxsplit_backend.reset()
+
+
 def test_capturing_a_loaded_graph_up_front_loads_its_pieces_first(tmp_path):
     model = Stack(1)
     loaded = _fresh_load(_aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate"), tmp_path)

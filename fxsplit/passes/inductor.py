@@ -171,10 +171,13 @@ class InductorPiece:
 
     @property
     def ready(self) -> bool:
-        """Whether a call runs the code the piece keeps: false while a precompiled graph's
-        artifact is not loaded (the capture counts only ready calls as warm-ups: Triton
-        compiles a kernel at its first launch, which a CUDA capture would record)."""
-        return self.pending is None or self.pending.python
+        """Whether the next call runs the code the piece keeps: false only before a precompiled
+        graph's piece has run once (that call runs its generated Python; the next one loads the
+        artifact). The capture counts a call as a warm-up only where this held before it:
+        Triton compiles a kernel at its first launch, which a CUDA capture would record. Asked
+        after the call instead, a load by another thread meanwhile (``load_deferred``) would
+        make a run of the generated Python count."""
+        return self.pending is None or self.pending.python or self.ran
 
     def _unloaded(self, args):
         pending = self.pending

@@ -333,9 +333,11 @@ class CapturedPiece(torch.nn.Module):
         done = self.warmups.get(key, 0)
         before = torch._C._dynamo.guards.GlobalStateGuard()
         if done < self.min_warmups:
+            # not a warm-up: a precompiled graph's piece running its Python before its artifact
+            # loads (asked before the call: another thread may load it meanwhile)
+            ready = getattr(self.run_uncaptured, "ready", True)
             out = self._uncaptured(inputs, key)
-            # a precompiled graph's piece running its Python until its artifact loads
-            if getattr(self.run_uncaptured, "ready", True):
+            if ready:
                 self.warmups[key] = done + 1
             self._check_global_state(before)
             return out
