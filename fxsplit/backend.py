@@ -235,7 +235,8 @@ class Backend:
         ``max(warmup_runs, 1) + 1`` times, under one capture session (garbage collected once,
         collector frozen throughout) with a tqdm progress bar where tqdm is installed. A
         precompiled graph's compiled pieces load first (they would otherwise wait for their
-        second call).
+        second call). Another thread's call meanwhile raises
+        :class:`~fxsplit.runtime.graph_runtime.ConcurrentCallError`.
 
         The leading dimension of every tensor argument whose size equals the capture size is
         marked dynamic first (``torch._dynamo.maybe_mark_dynamic``), so all sizes share one graph:
@@ -257,25 +258,31 @@ class Backend:
 
         sizes = sorted(inputs_by_size, reverse=True)
         runs = max(self.config.warmup_runs, 1) + 1  # compiled pieces warm up once on CUDA
-        inductor.load_deferred()  # a precompiled graph's pieces, loaded at once
-        for size in sizes if not _precompiled(model) else ():
-            for arg in inputs_by_size[size]:
-                if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == size:
-                    torch._dynamo.maybe_mark_dynamic(arg, 0)
         session = self._session
-        with session(), torch.no_grad():
-            progress = (
-                sizes
-                if tqdm is None  # shown where a terminal watches, never in logs or pipes
-                else tqdm(sizes, desc="fxsplit capture", unit="size", disable=None, file=sys.stderr)
-            )
-            session.up_front = True
-            try:
-                for size in progress:
-                    for _ in range(runs):
-                        model(*inputs_by_size[size])
-            finally:
-                session.up_front = False
+        session.own("capture")  # the whole capture, as one call: no other thread's in between
+        try:
+            inductor.load_deferred()  # a precompiled graph's pieces, loaded at once
+            for size in sizes if not _precompiled(model) else ():
+                for arg in inputs_by_size[size]:
+                    if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == size:
+                        torch._dynamo.maybe_mark_dynamic(arg, 0)
+            with session(), torch.no_grad():
+                progress = (
+                    sizes
+                    if tqdm is None  # shown where a terminal watches, never in logs or pipes
+                    else tqdm(
+                        sizes, desc="fxsplit capture", unit="size", disable=None, file=sys.stderr
+                    )
+                )
+                session.up_front = True
+                try:
+                    for size in progress:
+                        for _ in range(runs):
+                            model(*inputs_by_size[size])
+                finally:
+                    session.up_front = False
+        finally:
+            session.disown()
 
     def write_runtime_stats(self) -> None:
         """Write the run-time figures of every dumped graph into its dump folder (also done at

@@ -107,12 +107,13 @@ def region(name: str) -> Iterator[None]:
     # Running eagerly with Dynamo's frame callback installed means torch.compile skipped the
     # enclosing frame (a graph break inside this region, or the frame's recompile limit): the
     # backend never sees such a frame, so this is the only place it can be reported.
-    if (
-        not torch.compiler.is_compiling()
-        and _get_eval_frame_callback is not None
-        and _get_eval_frame_callback() is not None
-    ):
-        _warn_eager_region(name)
+    if not torch.compiler.is_compiling():
+        if _get_eval_frame_callback is not None and _get_eval_frame_callback() is not None:
+            _warn_eager_region(name)
+        # nothing to mark outside a trace; annotate's marks live in one global dict, which
+        # regions entered eagerly from two threads at once would leave holding a region
+        yield
+        return
     with annotate({region_key(name): True}):
         yield
 

@@ -266,3 +266,27 @@ def test_eager_modules_and_module_regions_match_the_root_module_class():
     plans = fxsplit.explain(Whole(), x, module_regions={"Whole": fxsplit.ATTENTION})
     assert [p.kind for p in plans[0].pieces] == ["eager"], plans[0].format()
     torch._dynamo.reset()
+
+
+def test_regions_run_eagerly_from_two_threads_leave_no_mark_on_later_traces():
+    """Outside a trace a region marks nothing: ``annotate`` keeps its marks in one global dict,
+    which two threads entering and leaving regions at once left holding a region (every node
+    of every later trace then belonged to it)."""
+    import threading
+
+    from torch.fx.traceback import current_meta
+
+    inside, left = threading.Event(), threading.Event()
+
+    def first():
+        with fxsplit.region(fxsplit.ATTENTION):
+            inside.set()
+            left.wait(30)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert inside.wait(30)
+    with fxsplit.region(fxsplit.ATTN_PREP):
+        left.set()
+        thread.join(30)
+    assert not [k for k in current_meta.get("custom", {}) if k.startswith("fxsplit.region:")]

@@ -116,6 +116,7 @@ class InductorPiece:
         pending: a precompiled graph's artifact not loaded yet (:class:`Deferred`), else
             None: the piece's first call runs its generated Python, its second loads the
             artifact (``artifact`` is None until then).
+        ran: the piece's first call (its generated Python) has run.
     """
 
     __slots__ = (
@@ -236,6 +237,7 @@ class Deferred:
                 return
             with torch.set_grad_enabled(self._grad):
                 record, artifact, sized = self._resolve()
+            self._resolve = None  # the bundle's bytes and the piece's graph: not needed again
             self._records[self._index] = record
             if artifact is None:
                 self.python = True
