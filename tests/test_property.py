@@ -1509,3 +1509,21 @@ def test_regression_state_rebound_after_a_graph_break_at_the_first_capture():
     side effects say so at compile time."""
     program = (("rand", 12), ("graph_break",), ("state", "rebind", 0))
     run_case(Case(program, outputs=(-1,), dynamic=False, sizes=(5, 6), warmup_runs=0))
+
+
+def test_regression_a_kept_output_the_model_writes_after_a_break_under_clone_outputs():
+    """Found by hypothesis: an op kept a captured output, the model wrote into that output
+    after a graph break; with ``clone_outputs`` the second graph got a copy, so what the op kept
+    missed the write at the very call it kept it, with no warning (the kept-reference warning
+    came at the next call's start). fxsplit now warns before returning the copies."""
+    program = (
+        ("unary", "relu", 0),
+        ("stash", 5),
+        ("graph_break",),
+        ("rand", 0),
+        ("region", fxsplit.ATTN_PREP, (("write_view", "T", "copy_", 12, 0), ("unary", "relu", 0))),
+        ("unary", "relu", 0),
+        ("unary", "relu", 0),
+    )
+    case = Case(program, outputs=(0,), dynamic=False, sizes=(1, 2), ints=(0, 0), warmup_runs=0)
+    run_case(dataclasses.replace(case, options={"clone_outputs": True}))

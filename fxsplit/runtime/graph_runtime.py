@@ -145,6 +145,21 @@ class CaptureSession:
                 FxsplitRuntimeWarning,
             )
 
+    def warn_kept_copied(self, graph_id: str, piece: str) -> None:
+        """Warn once per piece that an output eager code kept is returned as a copy
+        (``clone_outputs``): the model's later writes to it reach the copy only."""
+        if (graph_id, piece) in self._warned_kept:
+            return
+        self._warned_kept.add((graph_id, piece))
+        warn_at_caller(
+            f"fxsplit {graph_id}: an output of captured {piece} is still referenced after the "
+            "call that handed it to eager code (an op, a custom op or a hook kept it), and the "
+            "graph returns it as a copy (clone_outputs): what kept it misses the model's later "
+            "writes to it, and the next replay overwrites it. Clone it where it is kept "
+            "(t.clone())",
+            FxsplitRuntimeWarning,
+        )
+
     def _warn_kept(self, graph_id: str, piece: str) -> None:
         if (graph_id, piece) in self._warned_kept:
             return
@@ -503,6 +518,12 @@ class GraphRuntime:
                 out = _hand_back(out, handed, self.graph_id)
                 session.forget_taken(handed)
         if pool is not None:
+            if self.clone_outputs or not pool.ledger.can_invalidate:
+                # the caller and the model's next graph get copies: an op that kept a captured
+                # output it was handed now holds other memory than the one the model goes on
+                # with, from this call on
+                for graph_id, piece in pool.references.kept(out):
+                    session.warn_kept_copied(graph_id, piece)
             out = self._hand_out(out, pool)
         session.record_outputs(self, out, args)
         return out

@@ -360,13 +360,24 @@ class OutputReferences:
             if ident in before:
                 counts[ident][0] += n - before[ident]
 
-    def kept(self) -> list[tuple[str, str]]:
+    def kept(self, returned: tuple = ()) -> list[tuple[str, str]]:
         """``(graph, piece)`` of each output the model gained a reference to since the last
-        call (reported once per new reference); forgets outputs that are gone."""
+        call (reported once per new reference); forgets outputs that are gone. ``returned``:
+        the values a call under way is about to return (its own references, not kept)."""
         found = []
         forgiven, self._forgiven = self._forgiven, False
         counts = self._counts
-        for ident, n in self._now().items():
+        now = self._now()
+        for value in returned:
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()._cdata
+                for ident, entry in counts.items():
+                    out = entry[1]()
+                    if out is value:
+                        now[ident] -= 1
+                    elif out is not None and out.untyped_storage()._cdata == storage:
+                        now[ident] -= 1  # a view: one more use of the storage
+        for ident, n in now.items():
             entry = counts[ident]
             if n > entry[0] and not forgiven:
                 found.append((entry[2], entry[3]))
