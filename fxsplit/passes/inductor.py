@@ -238,6 +238,7 @@ class Deferred:
             with torch.set_grad_enabled(self._grad):
                 record, artifact, sized = self._resolve()
             self._resolve = None  # the bundle's bytes and the piece's graph: not needed again
+            _DEFERRED.discard(self)
             self._records[self._index] = record
             if artifact is None:
                 self.python = True
