@@ -46,6 +46,7 @@ import contextlib
 import logging
 import sys
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -368,15 +369,20 @@ class OutputReferences:
         forgiven, self._forgiven = self._forgiven, False
         counts = self._counts
         now = self._now()
-        for value in returned:
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()._cdata
-                for ident, entry in counts.items():
-                    out = entry[1]()
-                    if out is value:
-                        now[ident] -= 1
-                    elif out is not None and out.untyped_storage()._cdata == storage:
-                        now[ident] -= 1  # a view: one more use of the storage
+        if returned:
+            # each place holding an output is one reference; each other tensor over its
+            # storage (a view) one more use of the storage
+            places = Counter(id(v) for v in returned if isinstance(v, torch.Tensor))
+            tensors = {id(v): v for v in returned if isinstance(v, torch.Tensor)}
+            over = Counter(
+                v.untyped_storage()._cdata for v in tensors.values() if v.layout == torch.strided
+            )
+            for ident in now:
+                out = counts[ident][1]()
+                if out is None:  # collected since _now()
+                    continue
+                views = over[out.untyped_storage()._cdata] - (id(out) in tensors)
+                now[ident] -= places[id(out)] + views
         for ident, n in now.items():
             entry = counts[ident]
             if n > entry[0] and not forgiven:
