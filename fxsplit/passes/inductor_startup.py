@@ -6,7 +6,8 @@ use (:func:`prepare`); everywhere, the import of its compiler (``torch._inductor
 AOTAutograd, its partitioners, the kernel templates) and ``torch_key()``, the hash of torch's
 sources every artifact is checked against (:func:`warm`). Started in background threads, they
 run while fxsplit unpickles and splits a graph, or while a precompiled graph's first call runs
-its pieces' generated Python; :func:`ready` joins them before the first load or compile.
+its pieces' generated Python; :func:`ready` joins them before the first load or compile,
+:func:`warmed` the import before any split's compile.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def prepare(device: torch.device | None) -> None:
 def warm() -> None:
     """Import Inductor's compiler and compute ``torch_key()`` in the background, once per
     process (a precompiled graph starts it after its split, so that the two share the GIL
-    only with the first call). Both are pure: an import the main thread asks for meanwhile
-    waits on Python's import lock, a ``torch_key()`` it asks for is computed twice at worst."""
+    only with the first call). ``torch_key()`` asked for meanwhile is computed twice at worst;
+    a compile waits for the thread first (:func:`warmed`)."""
     global _WARM
     if _WARM is not None:
         return
