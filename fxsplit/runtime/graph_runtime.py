@@ -130,7 +130,7 @@ class CaptureSession:
                 if not pool.ledger.poison and not self._warned_held:
                     self._warn_held(pool)
                 for kept in pool.references.kept():
-                    self._warn_kept(*kept)
+                    self.warn_kept(*kept)
         self._called.add(id(graph))
 
     def _warn_held(self, pool: MemoryPool) -> None:
@@ -145,30 +145,23 @@ class CaptureSession:
                 FxsplitRuntimeWarning,
             )
 
-    def warn_kept_copied(self, graph_id: str, piece: str) -> None:
-        """Warn once per piece that an output eager code kept is returned as a copy
-        (``clone_outputs``): the model's later writes to it reach the copy only."""
+    def warn_kept(self, graph_id: str, piece: str, copied: bool = False) -> None:
+        """Warn once per piece that an output eager code was handed is still referenced
+        (``copied``: the graph returns it as a copy, ``clone_outputs``, so the model's later
+        writes to it reach the copy only)."""
         if (graph_id, piece) in self._warned_kept:
             return
         self._warned_kept.add((graph_id, piece))
-        warn_at_caller(
-            f"fxsplit {graph_id}: an output of captured {piece} is still referenced after the "
-            "call that handed it to eager code (an op, a custom op or a hook kept it), and the "
-            "graph returns it as a copy (clone_outputs): what kept it misses the model's later "
-            "writes to it, and the next replay overwrites it. Clone it where it is kept "
-            "(t.clone())",
-            FxsplitRuntimeWarning,
+        what = (
+            "the graph returns it as a copy (clone_outputs): what kept it misses the model's "
+            "later writes to it, and the next replay overwrites it"
+            if copied
+            else "the next replay overwrites it: what kept it will read later values"
         )
-
-    def _warn_kept(self, graph_id: str, piece: str) -> None:
-        if (graph_id, piece) in self._warned_kept:
-            return
-        self._warned_kept.add((graph_id, piece))
         warn_at_caller(
             f"fxsplit {graph_id}: an output of captured {piece} is still referenced after the "
-            "call that handed it to eager code (an op, a custom op or a hook kept it), and the "
-            "next replay overwrites it: what kept it will read later values. Clone it where it "
-            "is kept (t.clone())",
+            "call that handed it to eager code (an op, a custom op or a hook kept it), and "
+            f"{what}. Clone it where it is kept (t.clone())",
             FxsplitRuntimeWarning,
         )
 
@@ -523,7 +516,7 @@ class GraphRuntime:
                 # output it was handed now holds other memory than the one the model goes on
                 # with, from this call on
                 for graph_id, piece in pool.references.kept(out):
-                    session.warn_kept_copied(graph_id, piece)
+                    session.warn_kept(graph_id, piece, copied=True)
             out = self._hand_out(out, pool)
         session.record_outputs(self, out, args)
         return out
