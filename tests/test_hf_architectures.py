@@ -186,16 +186,15 @@ def test_fxsplit_warns_only_where_the_model_rebinds_a_weight(architecture, runne
 @pytest.mark.parametrize(("architecture", "runner"), CASES)
 def test_presets_make_attention_eager_without_marking(architecture, runner):
     """Nothing marks a region in transformers' code: the eager regions come from the presets
-    alone. Attention is an op only under sdpa; eager attention (matmul + softmax) is no op a
-    preset can tell from other matmuls: it runs eagerly where its shapes follow the KV length
-    (``dynamic:`` reasons)."""
+    alone. Attention is an op under sdpa; eager attention (matmul + softmax + matmul, with
+    sinks or soft-capping on the way) is found by that shape, in prefill as in decode, where
+    its shapes also follow the KV length (``dynamic:`` reasons)."""
     result = _result(architecture, runner)
     config = hf_architectures.tiny_config(architecture)
     text = config.get_text_config()
-    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
     # Inkling has relative position logits, GPT2 and OPT learned positions, Bloom ALiBi.
     rotary = not architecture.startswith(("Inkling", "GPT2", "OPT", "Bloom"))
-    want = {"attention"} if sdpa else set()
+    want = {"attention"}
     if rotary and runner == "v1":
         want.add("attn_prep")
     if getattr(text, "index_topk", None):
