@@ -55,9 +55,9 @@ def find(graph: Graph) -> set[Node]:
 
 def _reach(softmax: Node, size: str, up: bool) -> tuple[bool, set[Node]]:
     """From the softmax, through nodes of ``size`` elements (past a join of the keys' dim, of
-    the size the join's other side has), whether a product of activations is reached upstream (``up``: it
-    makes the scores, so it has their size) or downstream (it takes the weights), and the
-    nodes on the paths to the products found (products included)."""
+    the size the join's other side has), whether a product of activations is reached
+    upstream (``up``: it makes the scores, so it has their size) or downstream (it takes the
+    weights), and the nodes on the paths to the products found (products included)."""
     seen: dict[Node, bool] = {}  # node -> whether a product lies on or beyond it
 
     def visit(node: Node, size: str | None) -> bool:

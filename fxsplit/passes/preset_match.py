@@ -6,10 +6,10 @@ from collections.abc import Iterable
 
 from torch.fx import Graph, Node
 
+from fxsplit import presets as builtin
 from fxsplit.passes import attention_pattern
 from fxsplit.passes.modules import ModuleMatcher
 from fxsplit.passes.ops import OpMatcher
-from fxsplit import presets as builtin
 
 
 class PresetMatcher:
