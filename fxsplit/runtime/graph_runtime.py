@@ -35,6 +35,8 @@ from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 log = logging.getLogger("fxsplit")
 
 _GRAD = "grad is enabled and an input requires grad"
+# torch's message for a resize_ of a storage over memory it does not own (a pool's)
+_NOT_RESIZABLE = "Trying to resize storage that is not resizable"
 # Calls a rebound parameter must hold still before it is read by address again: a model that
 # rebinds its state hands a new tensor every call, so it never gets there.
 _SETTLED = 3
@@ -501,9 +503,16 @@ class GraphRuntime:
         out = ()
         try:
             out = self._forward(*args)
-        except BaseException:
+        except BaseException as error:
             if pool is not None:  # the exception's frames hold outputs the model never kept
                 pool.references.forgive()
+            if isinstance(error, RuntimeError) and _NOT_RESIZABLE in str(error):
+                raise RuntimeError(
+                    f"fxsplit {self.graph_id}: the model resized (resize_) a tensor in a "
+                    "capture memory pool, an output of a captured piece; pool memory cannot "
+                    "grow. Resize a clone (t = t.clone(); t.resize_(...)), or run the op that "
+                    "resizes it eagerly (splitting_ops) with the work making that tensor"
+                ) from error
             raise
         finally:
             session.exit()
