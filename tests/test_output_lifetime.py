@@ -532,3 +532,21 @@ def test_an_output_handed_back_in_and_kept_by_an_eager_op_keeps_its_values():
     assert counters.snapshot()["replays"] > 0
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), (step, (g - w).abs().max().item())
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_one_backends_output_fed_to_a_model_on_another_backend_is_fxsplits_memory(runner):
+    """A pipeline of two models, each compiled with its own Backend (``m2(m1(buf))``): the
+    first one's output is fxsplit's memory for the second too, so it is bound by copy, never
+    by address as a caller's persistent buffer would be (a later replay of the first moves or
+    overwrites it: MovedMemoryError in the emulator, a stale read on a GPU)."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4).eval(), nn.Linear(4, 4).eval()
+    backends = [fxsplit.Backend(capture="emulate", eager_regions=[], runner=runner) for _ in "ab"]
+    one, two = (torch.compile(m, backend=b) for m, b in zip((first, second), backends))
+    buffer = torch.zeros(2, 4)  # the runner's persistent input, refilled in place
+    with torch.no_grad():
+        for _ in range(5):
+            buffer.copy_(torch.randn(2, 4))
+            assert torch.equal(two(one(buffer)), second(first(buffer)))
+    assert counters.snapshot()["replays"] == 2 * 3
