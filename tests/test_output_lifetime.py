@@ -532,3 +532,27 @@ def test_an_output_handed_back_in_and_kept_by_an_eager_op_keeps_its_values():
     assert counters.snapshot()["replays"] > 0
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), (step, (g - w).abs().max().item())
+
+
+def test_an_output_held_across_a_weight_reload_keeps_its_values():
+    """``held = model(x)``, then ``load_state_dict(..., assign=True)``: the rebound weights
+    drop the graphs that read the old ones, and the graphs captured for the new ones reuse the
+    pool's memory. The freed graph's live hand-outs move to memory of their own first
+    (``OutputLedger.release_order``): ``held`` keeps eager's values, moved, never invalidated."""
+    net = Net()
+    model, backend = _compile(net)
+    with torch.no_grad():
+        for step in range(3):
+            model(_x(step))
+        held, want = model(_x(3)), net(_x(3))
+        moved = _ledger(backend).moved
+        replays = counters.snapshot()["replays"]
+        fresh = Net()
+        for p in fresh.parameters():
+            p.mul_(-3)
+        net.load_state_dict({k: v.clone() for k, v in fresh.state_dict().items()}, assign=True)
+        for step in range(4, 8):
+            assert torch.equal(model(_x(step)), net(_x(step))), step
+    assert torch.equal(held, want)
+    assert _ledger(backend).moved > moved and _ledger(backend).invalidated == 0
+    assert replays > 0 and counters.snapshot()["replays"] > replays
