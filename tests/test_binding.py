@@ -138,17 +138,28 @@ class _Rebinding(nn.Module):
 
 @pytest.mark.parametrize("warmup_runs", [0, 1])
 def test_a_buffer_rebound_to_an_output_every_step_is_copied(warmup_runs):
-    """``self.t = self.t + 1``: from its first move to memory fxsplit produced, the buffer is
-    copied like a runner input (before, with no warm-up, replays read a stale copy of it)."""
+    """``self.t = self.t + 1``: from its first move to memory fxsplit produced (call 1), the
+    buffer is copied like a runner input (before, with no warm-up, replays read a stale copy of
+    it). Call 1 finds it rebound and starts the pieces afresh (warm-up, capture); every call
+    after them replays both captured pieces, and nothing is recaptured. Taking the move for a
+    weight reload instead (rebound only on the second consecutive move) costs a recapture with
+    no warm-up and a replay per piece with one."""
     compiled_net, eager = _Rebinding(), _Rebinding()
     backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs)
     model = torch.compile(compiled_net, backend=backend, dynamic=True)
+    steps = 6
     with torch.no_grad(), pytest.warns(fxsplit.FxsplitWarning, match="moved on consecutive calls"):
-        for step in range(6):
+        for step in range(steps):
             x = torch.full((2, 4), float(step))
             assert torch.equal(model(x), eager(x)), step
             assert torch.equal(compiled_net.t, eager.t), step
-    assert _replays(backend) > 0
+    (pieces,) = backend.stats.values()
+    replays = {
+        name: sum(c.get("replays", 0) for c in keys.values()) for name, keys in pieces.items()
+    }
+    assert len(replays) == 2, backend.plans[0].format()
+    assert all(n == steps - 1 - warmup_runs - 1 for n in replays.values()), replays
+    assert fxsplit.counters.snapshot()["recaptures"] == 0
 
 
 class _Feedback(nn.Module):
