@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fxsplit
+from fxsplit.runtime.output_lifetime import can_swap
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
@@ -279,19 +280,27 @@ def test_strict_binding_never_checks_a_piece_that_is_never_captured(capture):
             assert torch.equal(model(x, y), _ChangesItsInputsLayout()(x, y))
 
 
+@pytest.mark.skipif(not can_swap(), reason="this torch cannot move a storage's memory")
 def test_a_callers_tensor_at_the_address_of_a_dropped_output_is_still_the_callers():
     """fxsplit knows its outputs by storage identity: the allocator may hand a dropped output's
-    address to the caller's next tensor, which strict binding must still bind by address."""
-    model = torch.compile(_Feedback(), backend=fxsplit.Backend(capture="emulate", runner="v2"))
+    address to the caller's next tensor, which strict binding must still bind by address.
+
+    Deterministic on any allocator: the caller's storage takes the output's memory over
+    (``_swap_data_ptr_``) before the output is dropped, so it lies at the output's address."""
+    backend = fxsplit.Backend(capture="emulate", runner="v2")
+    model = torch.compile(_Feedback(), backend=backend)
     with torch.no_grad():
         x = torch.randn(3, 4)
-        out = model(x)
-        address, nbytes = out.untyped_storage().data_ptr(), out.untyped_storage().nbytes()
+        out = model(x)  # warm-up: the output is fxsplit's
+        address = out.untyped_storage().data_ptr()
+        mine = torch.UntypedStorage(out.untyped_storage().nbytes())
+        out.untyped_storage()._swap_data_ptr_(mine)
         del out
-        buffer = torch.empty(nbytes, dtype=torch.uint8).view(torch.float32).view(3, 4)
-        if buffer.untyped_storage().data_ptr() != address:
-            pytest.skip("the allocator did not reuse the address")
+        buffer = torch.empty(0).set_(mine, 0, (3, 4), (4, 1))
+        assert buffer.data_ptr() == address
         buffer.copy_(x)
         model(buffer)  # capture: bound to the caller's buffer by address
+        model(buffer)
+        assert _replays(backend) == len(backend.plans[0].captured)  # each piece once
         with pytest.raises(fxsplit.BindingError):
             model(torch.randn(3, 4))
