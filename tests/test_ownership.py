@@ -95,6 +95,12 @@ def _replays() -> int:
     return counters.totals["replays"]
 
 
+def _replays_by_piece(backend) -> dict[str, int]:
+    """Replays of each captured piece of the backend's one graph, every capture key summed."""
+    (pieces,) = backend.stats.values()
+    return {name: sum(c.get("replays", 0) for c in keys.values()) for name, keys in pieces.items()}
+
+
 def test_view_of_previous_output_fed_back_reads_its_own_values():
     """``h[B:]`` of the last output fed back as the next input: a slice, so its start address
     differs from the output buffer's, but the next replay overwrites it all the same."""
@@ -514,6 +520,7 @@ def test_unchanged_runner_input_is_not_copied_again():
     }
     cache_copies = [n for name, n in copies.items() if "cache" in name]
     assert cache_copies == [1], copies  # the replay after cache.add_ (capture used it as is)
+    assert _replays() == 7 - 2  # calls 2 to 6 replay the captured piece
 
 
 def test_mark_static_address_input_is_never_copied():
@@ -617,17 +624,16 @@ def test_view_output_read_by_a_later_piece_is_never_copied_into():
     replays. Its input (a view of a buffer) must not be bound by identity, or the copy of the
     new view lands inside the buffer."""
     model, ref = _NarrowBuffer(), _NarrowBuffer()
-    cf = torch.compile(
-        model,
-        backend=fxsplit.Backend(capture="emulate", splitting_ops=FRESH),
-        dynamic=True,
-        fullgraph=True,
-    )
+    backend = fxsplit.Backend(capture="emulate", splitting_ops=FRESH)
+    cf = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
     x = _data(5, D, seed=3)
     with torch.no_grad():
         for k in (2, 2, 2, 4, 2, 4):
             assert torch.equal(cf(x, k), ref(x, k)), k
             assert torch.equal(model.w, ref.w), k
+    # piece_0: k=2 captured at the second call, replayed at calls 2 and 4; piece_2 replays from
+    # call 2 on, k=4's first sight (call 3) included
+    assert _replays_by_piece(backend) == {"piece_0": 2, "piece_2": 3}
 
 
 def test_view_of_a_persistent_input_read_by_a_later_piece_under_v2():
@@ -636,7 +642,7 @@ def test_view_of_a_persistent_input_read_by_a_later_piece_under_v2():
         t = torch.ops.fxsplit_own.fresh(x * 2)
         return v * 3 + 1, t
 
-    cf, _ = _compile(f, "fresh", dynamic=True, runner="v2")
+    cf, backend = _compile(f, "fresh", dynamic=True, runner="v2")
     x = torch.empty(6, D)
     with torch.no_grad():
         for step, k in enumerate((2, 2, 2, 4, 2)):
@@ -645,6 +651,9 @@ def test_view_of_a_persistent_input_read_by_a_later_piece_under_v2():
             expected, got = f(snapshot, k), cf(x, k)
             assert torch.equal(x, snapshot), step  # the model never writes x
             assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
+    # piece_0 (keyed by k) replays k=2 at calls 2 and 4; piece_2, reading the view, replays
+    # from call 2 on, with the view k=4 makes at call 3 included
+    assert _replays_by_piece(backend) == {"piece_0": 2, "piece_2": 3}
 
 
 @needs_swap
