@@ -556,3 +556,38 @@ def test_an_output_held_across_a_weight_reload_keeps_its_values():
     assert torch.equal(held, want)
     assert _ledger(backend).moved > moved and _ledger(backend).invalidated == 0
     assert replays > 0 and counters.snapshot()["replays"] > replays
+
+
+def test_a_kept_output_a_graph_returns_twice_is_warned_about_before_the_call_returns():
+    """Under ``clone_outputs`` the call's own references to what it returns are not kept ones:
+    each place in the returned values counts once, and each other tensor over the output's
+    storage (a view) once, however many places hold it. A graph returning piece_0's output
+    twice (a plain FX graph: Dynamo would return it once), which an eager op also keeps at the
+    call capturing piece_0 (call 1), is warned about before that call returns its copies
+    (counting the twice-returned output's storage twice over hid the op's reference)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    def g(x, w):
+        h = (x @ w).relu()
+        return (torch.ops.fxsplit_lifetime.stash_softmax(h) * 2, h, h)
+
+    gm = torch.fx.symbolic_trace(g)
+    x, w = _x(0), torch.randn(D, D)
+    FakeTensorProp(gm).propagate(x, w)
+    for node in gm.graph.nodes:  # the traced values, as Dynamo records them
+        node.meta["example_value"] = node.meta.get("val")
+    backend = fxsplit.Backend(
+        capture="emulate", splitting_ops=["fxsplit_lifetime::stash_softmax"], clone_outputs=True
+    )
+    run = backend(gm, [x, w])
+    STASHED.clear()
+    warned_at = []
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(4):
+            run(_x(step), w)
+            warned_at += [step for m in seen if "still referenced after the call" in str(m.message)]
+            seen.clear()
+    STASHED.clear()
+    assert counters.snapshot()["replays"] > 0
+    assert warned_at == [1], warned_at
