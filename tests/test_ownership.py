@@ -19,6 +19,7 @@ from torch import nn
 import fxsplit
 from fxsplit import counters
 from fxsplit.runtime.binding import RUNNER
+from fxsplit.runtime.captured import own_buffer
 from tests.versions import needs_swap
 from tests.warned import warned_at
 
@@ -267,6 +268,21 @@ def test_reduction_over_non_contiguous_input_replays_bit_exactly():
             x = buf[:, 1:]
             assert torch.equal(cf(x), f(x)), step
     assert _replays() > 0
+
+
+def test_a_static_buffer_keeps_the_callers_strides_and_address_alignment():
+    """A caller's tensor copied into fxsplit's static buffer keeps its strides and its address
+    modulo the allocator's alignment (64 bytes on CPU): a vectorised kernel picks how it splits
+    the data by both (CUDA's by the pointer's alignment), so the replay reduces as eager did."""
+    base = _data(4096)
+    for offset in (0, 1, 3, 17, 600):
+        for value in (
+            base[offset : offset + 1000],
+            base[offset : offset + 64 * 33].view(64, 33)[:, 1:],
+        ):
+            buffer, _ = own_buffer(value)
+            assert buffer.data_ptr() % 64 == value.data_ptr() % 64, offset
+            assert buffer.stride() == value.stride() and torch.equal(buffer, value), offset
 
 
 def test_v2_output_fed_back_as_next_input():
