@@ -562,6 +562,37 @@ def test_mark_static_address_input_is_never_copied():
     assert not copies and _replays() > 0
 
 
+def test_one_layer_function_called_with_each_layers_marked_cache_never_copies_a_cache():
+    """One compiled function per layer, called with each layer's ``mark_static_address``
+    cache: a graph per cache, each bound to its cache's address (the address is part of the
+    capture key), never a copy of a cache in or out (before: the cache was taken for a
+    parameter that moved on consecutive calls, and every cache was copied every call)."""
+    lin = nn.Linear(D, D).eval()
+
+    def layer(x, cache, position):
+        cache.index_copy_(0, position, lin(x))
+        return (cache.sum(0, keepdim=True) + x).relu()
+
+    caches = [torch.zeros(16, D) for _ in range(4)]
+    for cache in caches:
+        torch._dynamo.mark_static_address(cache)
+    eager_caches = [c.clone() for c in caches]
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
+    compiled = torch.compile(layer, backend=backend)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "moved on consecutive calls" warning
+        for step in range(4):
+            h = want = _data(1, D, seed=step)
+            position = torch.tensor([step])
+            for cache, eager_cache in zip(caches, eager_caches, strict=True):
+                h, want = compiled(h, cache, position), layer(want, eager_cache, position)
+            assert torch.equal(h, want)
+            assert all(torch.equal(a, b) for a, b in zip(caches, eager_caches, strict=True))
+    (piece,) = backend.runtimes[0].pieces
+    assert not [k for k in piece.stats.copies_by_input if "cache" in k]
+    assert counters.snapshot()["captures"] == 4 and _replays() == 8
+
+
 def test_analysis_failure_logs_and_runs_uncaptured(caplog, monkeypatch):
     from fxsplit.passes import aliasing
 

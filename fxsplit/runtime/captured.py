@@ -916,6 +916,8 @@ def _key_function(reads):
     parts = [
         f"(a[{i}].__class__, a[{i}] if a[{i}] == a[{i}] and a[{i}] != 0 else repr(a[{i}]))"
         if d is None
+        else f"a[{i}].data_ptr()"
+        if d == binding.ADDRESS_READ
         else f"a[{i}].shape"
         if d < 0
         else f"a[{i}].shape[{d}]"

@@ -403,7 +403,12 @@ class GraphRuntime:
         stitched = split.materialised.stitched
         self._placeholders = list(stitched.graph.find_nodes(op="placeholder"))
         self._volatile: set[str] = set()
-        self._params = [i for i, n in enumerate(self._placeholders) if binding.is_static_input(n)]
+        # a marked cache handed in as an argument is read by address through the capture key
+        self._params = [
+            i
+            for i, n in enumerate(self._placeholders)
+            if binding.is_static_input(n) and not binding.is_static_argument(n)
+        ]
         self._runner_inputs = [
             i
             for i, value in enumerate(example_inputs)
