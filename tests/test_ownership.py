@@ -593,6 +593,32 @@ def test_one_layer_function_called_with_each_layers_marked_cache_never_copies_a_
     assert counters.snapshot()["captures"] == 4 and _replays() == 8
 
 
+def test_a_view_of_a_marked_cache_handed_between_pieces_is_read_by_address():
+    """A layer's slice of a marked KV cache (``kv[0, 1]``), made in one captured piece, written
+    there and read by a later captured piece after an eager op: bound by address in both,
+    never copied in or out."""
+    lin = nn.Linear(D, D).eval()
+
+    def f(x, kv, position):
+        layer = kv[0, 1]
+        layer.index_copy_(0, position, lin(x))
+        scores = torch.ops.fxsplit_own.attend(x, layer)
+        return lin(scores + layer[:1])
+
+    cf, backend = _compile(f, "attend", runner="v1")
+    kv = torch.zeros(2, 2, 16, D)
+    torch._dynamo.mark_static_address(kv)
+    eager_kv = kv.clone()
+    with torch.no_grad():
+        for step in range(5):
+            x, position = _data(1, D, seed=step), torch.tensor([step])
+            assert torch.equal(cf(x, kv, position), f(x, eager_kv, position)), step
+            assert torch.equal(kv, eager_kv)
+    copied = [k for p in backend.runtimes[0].pieces for k in p.stats.copies_by_input]
+    assert not [k for k in copied if "kv" in k or "layer" in k], copied
+    assert _replays() == 2 * 3
+
+
 def test_analysis_failure_logs_and_runs_uncaptured(caplog, monkeypatch):
     from fxsplit.passes import aliasing
 

@@ -102,18 +102,16 @@ def is_static_input(node: Node) -> bool:
 
 
 def is_static_argument(node: Node) -> bool:
-    """Whether a placeholder is a ``mark_static_address`` tensor the caller handed in as an
-    argument of the frame (``L['cache']``, ``L['caches'][0]``): a static input that is no
-    parameter and is reached through no attribute (a module's buffer is) nor Dynamo's stack at
-    a graph break."""
+    """Whether a placeholder is a static tensor the caller handed in as an argument of the
+    frame (``L['cache']``, ``L['caches'][0]``: a ``mark_static_address`` cache), reached
+    through no attribute (a module's parameters and buffers are) nor Dynamo's stack at a graph
+    break. (Never through ``grapharg.example``: it raises once the tensor died, as a buffer
+    the model rebinds does.)"""
     from torch._dynamo.source import AttrSource, LocalSource
 
     if not is_static_input(node):
         return False
-    grapharg = node.meta.get("grapharg")
-    if isinstance(getattr(grapharg, "example", None), torch.nn.Parameter):
-        return False
-    source = getattr(grapharg, "source", None)
+    source = getattr(node.meta.get("grapharg"), "source", None)
     while source is not None and not isinstance(source, LocalSource):
         if isinstance(source, AttrSource):
             return False
@@ -203,6 +201,7 @@ def classify(
     volatile: frozenset[str] = frozenset(),
     *,
     resumed: bool = False,
+    statics: set[str] | frozenset[str] = frozenset(),
 ) -> list[InputSpec]:
     """Describe each input of a captured piece.
 
@@ -212,6 +211,9 @@ def classify(
         written: indices of the inputs the piece writes (:attr:`PieceAliasing.written`).
         volatile: names of static-input placeholders the model rebinds every step (``self.t =
             self.t + 1``): fxsplit's to copy, like values the caller never handed in.
+        statics: names of the marked caches handed in as arguments
+            (:func:`is_static_argument`) and of the views of them earlier captured pieces
+            return (``kv[0, 1]``): ``STATIC``, read by address wherever they are.
         resumed: the graph belongs to a frame Dynamo resumed after a graph break, whose tensor
             arguments are the model's live values (stack slots and locals), not the caller's:
             all but its parameters and buffers are fxsplit's to copy (those stay ``PARAM``: a
@@ -229,7 +231,7 @@ def classify(
                 kind = HOST
             elif node.name in volatile:
                 kind = INTERNAL
-            elif is_static_argument(node):
+            elif node.name in statics or is_static_argument(node):
                 kind = STATIC
             elif is_static_input(node):  # also on Dynamo's stack at a break (an argument)
                 kind = PARAM
@@ -238,6 +240,8 @@ def classify(
         elif node in producer:
             source = f"{producer[node]} output"
             kind = INTERNAL if is_tensor or value is None else HOST
+            if kind == INTERNAL and node.name in statics:
+                kind = STATIC
         else:
             source = "graph input"
             kind = HOST if not is_tensor else RUNNER

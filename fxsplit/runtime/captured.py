@@ -29,7 +29,7 @@ from fxsplit.passes.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec
 from fxsplit.runtime.replay_watch import Watch
-from fxsplit.runtime.stats import PieceStats
+from fxsplit.runtime.stats import PieceStats, StaticAddress
 from fxsplit.runtime.storage import clone_sharing, storage_ptr
 from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
@@ -916,14 +916,14 @@ def _key_function(reads):
     parts = [
         f"(a[{i}].__class__, a[{i}] if a[{i}] == a[{i}] and a[{i}] != 0 else repr(a[{i}]))"
         if d is None
-        else f"a[{i}].data_ptr()"
+        else f"_Address(a[{i}].data_ptr())"
         if d == binding.ADDRESS_READ
         else f"a[{i}].shape"
         if d < 0
         else f"a[{i}].shape[{d}]"
         for i, d in reads
     ]
-    return eval(f"lambda a: ({''.join(p + ', ' for p in parts)})")
+    return eval(f"lambda a: ({''.join(p + ', ' for p in parts)})", {"_Address": StaticAddress})
 
 
 def _flat(value):

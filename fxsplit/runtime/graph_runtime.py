@@ -404,10 +404,13 @@ class GraphRuntime:
         self._placeholders = list(stitched.graph.find_nodes(op="placeholder"))
         self._volatile: set[str] = set()
         # a marked cache handed in as an argument is read by address through the capture key
+        self._static_arguments = frozenset(
+            n.name for n in self._placeholders if binding.is_static_argument(n)
+        )
         self._params = [
             i
             for i, n in enumerate(self._placeholders)
-            if binding.is_static_input(n) and not binding.is_static_argument(n)
+            if binding.is_static_input(n) and n.name not in self._static_arguments
         ]
         self._runner_inputs = [
             i
@@ -466,6 +469,8 @@ class GraphRuntime:
         producer = {}
         pieces = []
         volatile = frozenset(self._volatile)
+        # marked caches handed in as arguments, and views of them a captured piece hands on
+        statics = set(self._static_arguments)
         for part, module, plan_piece, facts in zip(
             split.parts, split.materialised.pieces, split.plan.pieces, split.aliasing, strict=True
         ):
@@ -474,8 +479,16 @@ class GraphRuntime:
                     facts = PieceAliasing(error="the split ran without the aliasing analysis")
                 inputs = [nodes[name] for name in module.input_names]
                 specs = binding.classify(
-                    inputs, producer, facts.written, volatile, resumed=self._resumed
+                    inputs,
+                    producer,
+                    facts.written,
+                    volatile,
+                    resumed=self._resumed,
+                    statics=statics,
                 )
+                for j, base in enumerate(facts.output_bases):
+                    if base is not None and inputs[base].name in statics:
+                        statics.add(module.output_names[j])
                 reads = binding.key_reads(specs, inputs)
                 captured = CapturedPiece(
                     module, specs, reads, facts, plan_piece, self, _generators(part.nodes)

@@ -61,7 +61,9 @@ def key_text(key: tuple) -> str:
     which differs from run to run and which the allocator hands out again."""
     parts = []
     for part in key:
-        if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
+        if isinstance(part, StaticAddress):
+            parts.append(f"static #{_address_ordinal(part)}")
+        elif isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
             cls, value = part
             shown = value if isinstance(value, _PLAIN) else f"#{_ordinal(value)}"
             parts.append(f"{cls.__name__} {shown}")
@@ -76,6 +78,20 @@ _PLAIN = (int, float, bool, complex, str, type(None), torch.SymInt, torch.SymFlo
 _ORDINALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HELD: dict[int, tuple[object, int]] = {}
 _SHOWN: Counter = Counter()
+
+
+class StaticAddress(int):
+    """The address of a marked cache in a capture key (a graph per cache), shown as
+    ``static #<n>``: the n-th distinct address this process showed, never the address."""
+
+    __slots__ = ()
+
+
+_ADDRESSES: dict[int, int] = {}
+
+
+def _address_ordinal(address: int) -> int:
+    return _ADDRESSES.setdefault(int(address), len(_ADDRESSES) + 1)
 
 
 def _ordinal(value: object) -> int:
