@@ -1341,25 +1341,33 @@ piece_6  captured   51  -          -""",
         self.assertExpectedInline(
             _golden("GptOssForCausalLM", "v1"),
             """\
-graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 3 pieces, 2 captured, 1 eager
+graph_0 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 7 pieces, 4 captured, 3 eager
 piece    kind      ops  regions    reasons
 piece_0  captured   31  -          -
 piece_1  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_2  captured  208  -          -
+piece_2  captured   45  -          -
+piece_3  eager      12  attention  preset:eager_attention,region:attention
+piece_4  captured   87  -          -
+piece_5  eager      12  attention  preset:eager_attention,region:attention
+piece_6  captured   52  -          -
 
-graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 9 pieces, 5 captured, 4 eager
-piece    kind      ops  regions    reasons
-piece_0  captured    1  -          -
-piece_1  eager       2  -          dynamic:cache.layers[0].cumulative_length
-piece_2  captured   13  -          -
-piece_3  eager       7  -          dynamic:cache.layers[0].cumulative_length
-piece_4  captured   11  -          -
-piece_5  eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
-piece_6  captured   35  -          -
-piece_7  eager       1  -          dynamic:cache.layers[0].cumulative_length
-piece_8  captured  168  -          -
+graph_1 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
+piece     kind      ops  regions    reasons
+piece_0   captured    1  -          -
+piece_1   eager       2  -          dynamic:cache.layers[0].cumulative_length
+piece_2   captured   13  -          -
+piece_3   eager       7  -          dynamic:cache.layers[0].cumulative_length
+piece_4   captured   11  -          -
+piece_5   eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
+piece_6   captured   35  -          -
+piece_7   eager       1  -          dynamic:cache.layers[0].cumulative_length
+piece_8   captured    7  -          -
+piece_9   eager      12  attention  preset:eager_attention,region:attention
+piece_10  captured   85  -          -
+piece_11  eager      12  attention  preset:eager_attention,region:attention
+piece_12  captured   52  -          -
 
-graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 11 pieces, 6 captured, 5 eager
+graph_2 runner=v1 eager_regions=attention,attn_prep,sparse_indexer: 13 pieces, 7 captured, 6 eager
 piece     kind      ops  regions    reasons
 piece_0   captured    1  -          -
 piece_1   eager       2  -          dynamic:cache.layers[0].cumulative_length
@@ -1369,9 +1377,11 @@ piece_4   captured   11  -          -
 piece_5   eager       9  attn_prep  preset:rotary_embedding,region:attn_prep
 piece_6   captured   35  -          -
 piece_7   eager       3  -          dynamic:cache.layers[0].cumulative_length,dynamic:cache.layers[0].keys.stride(1),dynamic:cache.layers[0].values.stride(1)
-piece_8   captured   95  -          -
-piece_9   eager      28  -          dynamic:cache.layers[1].values.size(2)
-piece_10  captured   52  -          -""",
+piece_8   captured    5  -          -
+piece_9   eager      12  attention  preset:eager_attention,region:attention
+piece_10  captured   78  -          -
+piece_11  eager      28  attention  dynamic:cache.layers[1].values.size(2),preset:eager_attention,region:attention
+piece_12  captured   52  -          -""",
         )
 
     def test_gpt_oss_v2(self):

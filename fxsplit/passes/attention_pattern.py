@@ -40,6 +40,7 @@ def find(graph: Graph) -> set[Node]:
     attention of the layer before it.
     """
     found: set[Node] = set()
+    order = {node: i for i, node in enumerate(graph.nodes)}
     for node in graph.nodes:
         if _name(node) not in _SOFTMAX:
             continue
@@ -49,8 +50,34 @@ def find(graph: Graph) -> set[Node]:
         up, scores = _reach(node, size, up=True)
         down, weighted = _reach(node, size, up=False)
         if up and down:
-            found |= scores | weighted | {node}
+            first = min((n for n in scores if _is_product(n)), key=order.__getitem__)
+            last = max((n for n in weighted if _is_product(n)), key=order.__getitem__)
+            found |= _between(first, last, order)
     return found
+
+
+def _between(first: Node, last: Node, order: dict[Node, int]) -> set[Node]:
+    """Every node on a path from ``first`` to ``last`` (both included): what the scores need
+    besides the scores themselves (a max subtracted for stability) stays in the region, so
+    no captured piece of one op sits inside attention."""
+    reached = _descendants(first, order[last], order) | {first}
+    on_path = {last}
+    for node in sorted(reached, key=order.__getitem__, reverse=True):
+        if any(u in on_path for u in node.users):
+            on_path.add(node)
+    return on_path
+
+
+def _descendants(first: Node, end: int, order: dict[Node, int]) -> set[Node]:
+    """The nodes reachable from ``first`` that come no later than graph position ``end``."""
+    seen: set[Node] = set()
+    stack = [first]
+    while stack:
+        for user in stack.pop().users:
+            if user not in seen and order.get(user, end + 1) <= end:
+                seen.add(user)
+                stack.append(user)
+    return seen
 
 
 def _reach(softmax: Node, size: str, up: bool) -> tuple[bool, set[Node]]:
