@@ -103,7 +103,8 @@ def split(
 
 
 def _unset(nodes, outputs: tuple[str, ...]) -> tuple[str, ...]:
-    """The outputs a piece allocates (the ``empty`` family) and none of its nodes may write:
+    """The outputs a piece allocates (the ``empty`` family) and none of its nodes may write,
+    directly or through a view (``out.view(-1).copy_(y)``, ``torch.add(a, b, out=out)``):
     what they hold when it ends is unspecified."""
     mine = {n.name: n for n in nodes}
     return tuple(
@@ -111,8 +112,39 @@ def _unset(nodes, outputs: tuple[str, ...]) -> tuple[str, ...]:
         for name in outputs
         if name in mine
         and op_facts.is_allocation(mine[name])
-        and not any(u.name in mine and op_facts.may_write(u) for u in mine[name].users)
+        and not _written(mine[name], set(mine.values()))
     )
+
+
+def _written(allocation, inside) -> bool:
+    """Whether a node of ``inside`` may write ``allocation`` or a tensor sharing its memory
+    (Dynamo's example values say which do; a node without one may alias it)."""
+    storage = _storage(allocation)
+    aliases = {allocation}
+    todo = [allocation]
+    while todo:
+        for user in todo.pop().users:
+            if user not in inside or user in aliases:
+                continue
+            if user.op == "call_module" or op_facts.may_write(user, dispatch=True):
+                return True
+            if step_sizes.writes_when_run(user):
+                return True
+            value = _storage(user)
+            if value is None or value == storage:  # a view (or unknown): its users count too
+                aliases.add(user)
+                todo.append(user)
+    return False
+
+
+def _storage(node) -> int | None:
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _devices(nodes, inputs) -> tuple[str, ...]:
