@@ -668,3 +668,51 @@ def test_a_compiled_piece_reading_a_runners_table_raises_where_cuda_would_read_s
     )
     assert replays == (2 if runner == "refills" else 0)
     torch._dynamo.reset()
+
+
+_STASH: dict[str, torch.Tensor] = {}
+
+
+@torch.library.custom_op("fxsplit_emutest::stash_double", mutates_args=())
+def _stash_double(x: torch.Tensor) -> torch.Tensor:
+    _STASH["h"] = x * 2  # made by the kernel, kept in a forward context for a later op
+    return x + 1
+
+
+@_stash_double.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxsplit_emutest::add_stashed", mutates_args=())
+def _add_stashed(x: torch.Tensor) -> torch.Tensor:
+    return x + _STASH["h"]
+
+
+@_add_stashed.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_reading_what_an_earlier_op_of_the_graph_stashed_replays():
+    """One op's kernel keeps a tensor it made in a forward context, a later op of the same
+    graph reads it there: a CUDA graph replays the first kernel into the capture's memory and
+    the second reads it, right; every replay stashes a new tensor, which is no moved state."""
+    x = torch.randn(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: _add_stashed(_stash_double(t)), x)
+    for _ in range(3):
+        x.copy_(torch.randn(4))
+        g.replay()
+        assert torch.equal(out, (x + 1) + x * 2)
+
+
+def test_a_stash_the_program_replaces_outside_the_graph_still_raises():
+    """The reading op alone in the graph: what it read at capture was the program's, and a
+    tensor put there since is moved state."""
+    _STASH["h"] = torch.ones(4)
+    g = EmulatedGraph()
+    g.capture(lambda t: _add_stashed(t) * 1, torch.randn(4))
+    _STASH["h"] = torch.zeros(4)
+    with pytest.raises(StateMovedError, match="another tensor than the one it touched"):
+        g.replay()

@@ -177,21 +177,36 @@ def _run_checked(
     with checker:
         out = func.redispatch(keys & _BELOW_PYTHON, *args, **kwargs)
     touched = tuple(checker.touched.values())
+    kept = graph._made_by_kernels
+    for cdata, ref in checker._made.items():  # alive after the kernel: kept (a global, a result)
+        if not ref.expired():
+            kept[cdata] = ref
     if parent is not None:
         parent.heard(touched)
     return out, touched
+
+
+def _keeps(graph: EmulatedGraph, before: set[int], out: Any) -> bool:
+    """Whether the custom op that just ran kept memory its kernel made beyond its results
+    (registered since ``before``): a later op of the record may read it outside its arguments,
+    and every replay must register the memory it makes anew (:class:`_ReadsState`)."""
+    results = _storages(tree_leaves(out))
+    return any(c not in before and c not in results for c in graph._made_by_kernels)
 
 
 class _Touched:
     """A storage a custom op's kernel touched outside its arguments: the storage (weakly), its
     address, and what touched it (the tensor's dtype and shape, the aten op) for messages."""
 
-    __slots__ = ("ptr", "ref", "what")
+    __slots__ = ("made", "ptr", "ref", "what")
 
-    def __init__(self, storage: torch.UntypedStorage, what: str):
+    def __init__(self, storage: torch.UntypedStorage, what: str, made: bool = False):
         self.ref = StorageWeakRef(storage)
         self.ptr = storage.data_ptr()
         self.what = what
+        # made by another custom op's kernel earlier in the same capture or replay (a stash
+        # in a forward context): a CUDA graph replays that kernel into the same memory
+        self.made = made
 
 
 def _storages(leaves) -> set[int]:
@@ -212,7 +227,7 @@ class _Checker(TorchDispatchMode):
         self.graph = graph
         self.theirs = theirs
         self.touched: dict[int, _Touched] = {}
-        self._made: set[int] = set()
+        self._made: dict[int, StorageWeakRef] = {}
 
     supports_higher_order_operators = True
 
@@ -232,9 +247,9 @@ class _Checker(TorchDispatchMode):
         seen = _storages(inputs)
         for leaf in outputs:  # a fresh result is the kernel's own memory
             if type(leaf) in _PLAIN and leaf.layout == torch.strided:
-                cdata = leaf.untyped_storage()._cdata
-                if cdata not in seen:
-                    self._made.add(cdata)
+                storage = leaf.untyped_storage()
+                if storage._cdata not in seen:
+                    self._made[storage._cdata] = StorageWeakRef(storage)
         for leaf in inputs:
             if type(leaf) not in _PLAIN or leaf.layout != torch.strided:
                 continue
@@ -243,7 +258,9 @@ class _Checker(TorchDispatchMode):
             if cdata in self.theirs or cdata in self._made or cdata in self.touched:
                 continue
             what = f"a {leaf.dtype} tensor of shape {tuple(leaf.shape)} (read by {_op_name(func)})"
-            self.touched[cdata] = _Touched(storage, what)
+            maker = self.graph._made_by_kernels.get(cdata)
+            made = maker is not None and not maker.expired()
+            self.touched[cdata] = _Touched(storage, what, made)
 
     def heard(self, touched: tuple[_Touched, ...]) -> None:
         """A custom op called inside this kernel touched these outside its own arguments."""
@@ -268,8 +285,11 @@ class _ReadsState:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out, now = _run_checked(self.graph, self.func, args, kwargs)
+        made = any(t.made for t in self.touched.values())
         for found in now:
             was = self.touched.get(found.ref.cdata)
+            if found.made and made:
+                continue  # memory an earlier kernel of this replay made, as at capture
             if was is None or was.ref.expired():
                 how = "another tensor than the one it touched"
             elif was.ptr != found.ptr:
@@ -342,8 +362,9 @@ class _Recorder(TorchDispatchMode):
             bad = _illegal_op(func, args, kwargs)
             if bad is not None:
                 self.graph._fail(*bad)
+            before = set(self.graph._made_by_kernels)
             out, touched = _run_checked(self.graph, func, args, kwargs)
-            if touched:
+            if touched or _keeps(self.graph, before, out):
                 call = _ReadsState(self.graph, func, touched)
                 return self._record(func, args, kwargs, out, call)
         return self._record(func, args, kwargs, out)
@@ -659,7 +680,10 @@ class EmulatedGraph:
       writes outside its arguments (a forward context's metadata, a module attribute, a
       global) are noted at capture: every replay checks it touches the same ones at the same
       addresses and raises :class:`StateMovedError` otherwise (a CUDA graph would touch the
-      capture's memory, silently). Not seen: host reads that never reach the dispatcher on CPU
+      capture's memory, silently). Memory a kernel made and kept (stashed in a forward context
+      for a later op of the same graph) is made anew by every replay, as a CUDA graph rewrites
+      the capture's: a later op touching such memory, as at capture, is no moved state. Not
+      seen: host reads that never reach the dispatcher on CPU
       (``.tolist()``, ``.numpy()``) inside a kernel (torch-function modes are off inside
       dispatcher kernels); Python values the kernel reads outside its arguments (a step
       counter: a CUDA graph froze the value, the emulator reads it afresh); memory a kernel
@@ -678,6 +702,8 @@ class EmulatedGraph:
         self._addresses: tuple[tuple[torch.UntypedStorage, int], ...] = ()
         self._error: CaptureError | None = None
         self._recorder: _Recorder | None = None
+        # storages custom ops' kernels made and kept during the capture or replay under way
+        self._made_by_kernels: dict[int, StorageWeakRef] = {}
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -703,6 +729,7 @@ class EmulatedGraph:
         if self._steps is not None:
             raise RuntimeError("EmulatedGraph already holds a capture; call reset() first")
         self._error = None
+        self._made_by_kernels = {}
         recorder = self._recorder = _Recorder(self)
         _tls.active = self
         self.pool.capture_begin()
@@ -784,6 +811,7 @@ class EmulatedGraph:
                     "moved to other memory since; a CUDA graph would read and write its old "
                     "address"
                 )
+        self._made_by_kernels = {}
         # Inference mode: a captured piece may have made inference tensors (an inference_mode
         # block inside it), which only inference mode may write; a kernel has no grad mode.
         with torch.inference_mode(), torch._C._DisableAutocast():
