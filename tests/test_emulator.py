@@ -716,3 +716,32 @@ def test_a_stash_the_program_replaces_outside_the_graph_still_raises():
     _STASH["h"] = torch.zeros(4)
     with pytest.raises(StateMovedError, match="another tensor than the one it touched"):
         g.replay()
+
+
+_WINDOW = {"all": torch.arange(16.0)}
+
+
+@torch.library.custom_op("fxsplit_emutest::add_window", mutates_args=())
+def _add_window(x: torch.Tensor) -> torch.Tensor:
+    return x + _WINDOW["now"]
+
+
+@_add_window.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_reading_another_view_of_the_same_state_raises():
+    """The forward context holds a window into a persistent buffer, moved on since capture
+    (``all[4:8]`` for ``all[0:4]``): same storage, same address, but a CUDA kernel reads the
+    view it was launched on, the capture's window, silently."""
+    _WINDOW["now"] = _WINDOW["all"][0:4]
+    x = torch.zeros(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: _add_window(t) * 1, x)
+    _WINDOW["now"] = _WINDOW["all"][0:8].view(2, 4)[0]  # the same view, made anew
+    g.replay()
+    assert torch.equal(out, _WINDOW["all"][0:4])
+    _WINDOW["now"] = _WINDOW["all"][4:8]
+    with pytest.raises(StateMovedError, match="another view of it"):
+        g.replay()

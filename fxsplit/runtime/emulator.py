@@ -198,12 +198,15 @@ class _Touched:
     """A storage a custom op's kernel touched outside its arguments: the storage (weakly), its
     address, and what touched it (the tensor's dtype and shape, the aten op) for messages."""
 
-    __slots__ = ("made", "ptr", "ref", "what")
+    __slots__ = ("made", "ptr", "ref", "views", "what")
 
     def __init__(self, storage: torch.UntypedStorage, what: str, made: bool = False):
         self.ref = StorageWeakRef(storage)
         self.ptr = storage.data_ptr()
         self.what = what
+        # the address, sizes and strides of each view of it the kernel's ops took: a CUDA
+        # kernel reads the view it was launched on (``window[step:step + 4]`` at capture's step)
+        self.views: set[tuple] = set()
         # made by another custom op's kernel earlier in the same capture or replay (a stash
         # in a forward context): a CUDA graph replays that kernel into the same memory
         self.made = made
@@ -255,19 +258,25 @@ class _Checker(TorchDispatchMode):
                 continue
             storage = leaf.untyped_storage()
             cdata = storage._cdata
-            if cdata in self.theirs or cdata in self._made or cdata in self.touched:
+            if cdata in self.theirs or cdata in self._made:
                 continue
-            what = f"a {leaf.dtype} tensor of shape {tuple(leaf.shape)} (read by {_op_name(func)})"
-            maker = self.graph._made_by_kernels.get(cdata)
-            made = maker is not None and not maker.expired()
-            self.touched[cdata] = _Touched(storage, what, made)
+            found = self.touched.get(cdata)
+            if found is None:
+                what = (
+                    f"a {leaf.dtype} tensor of shape {tuple(leaf.shape)} "
+                    f"(read by {_op_name(func)})"
+                )
+                maker = self.graph._made_by_kernels.get(cdata)
+                made = maker is not None and not maker.expired()
+                found = self.touched[cdata] = _Touched(storage, what, made)
+            found.views.add((leaf.data_ptr(), tuple(leaf.shape), leaf.stride()))
 
     def heard(self, touched: tuple[_Touched, ...]) -> None:
         """A custom op called inside this kernel touched these outside its own arguments."""
         for found in touched:
             cdata = found.ref.cdata
             if cdata not in self.theirs and cdata not in self._made:
-                self.touched.setdefault(cdata, found)
+                self.touched.setdefault(cdata, found).views.update(found.views)
 
 
 class _ReadsState:
@@ -294,6 +303,8 @@ class _ReadsState:
                 how = "another tensor than the one it touched"
             elif was.ptr != found.ptr:
                 how = "the tensor it touched, but at another address than"
+            elif not found.views <= was.views:
+                how = "the tensor it touched, but another view of it (offset, sizes, strides) than"
             else:
                 continue
             op = self.name.split(".")[0]
