@@ -745,3 +745,31 @@ def test_a_custom_op_reading_another_view_of_the_same_state_raises():
     _WINDOW["now"] = _WINDOW["all"][4:8]
     with pytest.raises(StateMovedError, match="another view of it"):
         g.replay()
+
+
+class _AddsGlobalBranch(torch.nn.Module):
+    def forward(self, t):
+        return (_gather_slots(t) * 2,)
+
+
+class _TriplesBranch(torch.nn.Module):
+    def forward(self, t):
+        return (t[:4] * 3,)
+
+
+def test_a_custom_op_reading_state_inside_a_hop_branch_captures_and_is_checked():
+    """A custom op reading a forward context inside ``cond``'s branch: the capture ran (it
+    raised TypeError in the checker of the branch, which notes nothing), and a replay after the
+    state was replaced raises as for the op outside a HOP."""
+    true_fn = torch.fx.symbolic_trace(_AddsGlobalBranch())
+    false_fn = torch.fx.symbolic_trace(_TriplesBranch())
+    _SLOTS["table"] = torch.arange(4)
+    x = torch.randn(8, 3)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: torch.ops.higher_order.cond(True, true_fn, false_fn, (t,))[0], x)
+    x.copy_(torch.randn(8, 3))
+    g.replay()
+    assert torch.equal(out, x[:4] * 4)
+    _SLOTS["table"] = torch.tensor([0, 0, 0, 0])
+    with pytest.raises(StateMovedError, match="another tensor than the one it touched"):
+        g.replay()

@@ -237,7 +237,7 @@ class _Checker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
-            return _run_hop(self.graph, func, args, kwargs)
+            return _run_hop(self.graph, func, args, kwargs, self)[0]
         bad = _illegal_op(func, args, kwargs)
         if bad is not None:
             self.graph._fail(*bad)
@@ -273,6 +273,8 @@ class _Checker(TorchDispatchMode):
 
     def heard(self, touched: tuple[_Touched, ...]) -> None:
         """A custom op called inside this kernel touched these outside its own arguments."""
+        if self.theirs is None:  # a checker that notes nothing (a legality check)
+            return
         for found in touched:
             cdata = found.ref.cdata
             if cdata not in self.theirs and cdata not in self._made:
@@ -293,7 +295,10 @@ class _ReadsState:
         self.touched = {t.ref.cdata: t for t in touched}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out, now = _run_checked(self.graph, self.func, args, kwargs)
+        if isinstance(self.func, torch._ops.HigherOrderOperator):
+            out, now = _run_hop(self.graph, self.func, args, kwargs)
+        else:
+            out, now = _run_checked(self.graph, self.func, args, kwargs)
         made = any(t.made for t in self.touched.values())
         for found in now:
             was = self.touched.get(found.ref.cdata)
@@ -317,7 +322,9 @@ class _ReadsState:
         return out
 
 
-def _run_hop(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> Any:
+def _run_hop(
+    graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict, parent: _Checker | None = None
+) -> tuple[Any, tuple[_Touched, ...]]:
     """Run a higher-order op (``cond``, ``while_loop``, ``invoke_subgraph``, ``wrap``,
     ``auto_functionalized``, ...) once, checking every aten op its subgraphs run.
 
@@ -325,19 +332,31 @@ def _run_hop(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> Any:
     with the modes off and each subgraph module it calls pushes a checking mode while it runs.
     Python branching on a tensor (``cond`` on a tensor predicate, ``while_loop``'s condition)
     still meets the host-read guard, as a CUDA capture meets the sync.
+
+    Returns:
+        ``(result, touched)``: the storages the subgraphs' ops (a custom op's kernel in a
+        branch) touched outside the HOP's arguments and what its subgraphs made, as
+        :func:`_run_checked` finds them for a custom op.
     """
+    flat, spec = tree_flatten((args, kwargs))
+    # one checker for every subgraph run of this call: a loop's carried values, made by the
+    # body's previous run, are the subgraphs' own memory
+    checker = _Checker(graph, _storages(flat))
 
     def checked(module: torch.nn.Module) -> Callable:
         def run(*a: Any, **kw: Any) -> Any:
-            with _Checker(graph):
+            with checker:
                 return module(*a, **kw)
 
         return run
 
-    flat, spec = tree_flatten((args, kwargs))
     wrapped = [checked(a) if isinstance(a, torch.nn.Module) else a for a in flat]
     run_args, run_kwargs = tree_unflatten(wrapped, spec)
-    return func(*run_args, **run_kwargs)
+    out = func(*run_args, **run_kwargs)
+    touched = tuple(checker.touched.values())
+    if parent is not None:
+        parent.heard(touched)
+    return out, touched
 
 
 class _Recorder(TorchDispatchMode):
@@ -368,7 +387,9 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
-            out = _run_hop(self.graph, func, args, kwargs)
+            out, touched = _run_hop(self.graph, func, args, kwargs)
+            if touched:
+                return self._record(func, args, kwargs, out, _ReadsState(self.graph, func, touched))
         else:
             bad = _illegal_op(func, args, kwargs)
             if bad is not None:
