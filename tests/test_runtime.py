@@ -1233,3 +1233,25 @@ def test_verify_compares_an_allocated_buffer_the_piece_writes_through_out_or_a_v
             x = torch.randn(4, 8)
             assert torch.equal(compiled(x), fn(x))
     assert backend.plans[0].pieces[0].unset == ()
+
+
+class FillsAViewOfAnEmptyBuffer(FillsAnEmptyBuffer):
+    """The buffer the eager op fills is a view of the memory the piece allocates."""
+
+    def forward(self, x):
+        q = self.a(x)
+        out = torch.empty(q.numel()).view(q.shape)
+        _softmax_into(q, out)
+        return self.b(out)
+
+
+def test_verify_leaves_out_a_view_of_a_buffer_the_piece_allocates_for_an_eager_op():
+    model = FillsAViewOfAnEmptyBuffer().eval()
+    backend = _backend(verify=True, splitting_ops=["fxsplit_test_runtime::softmax_into"])
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            assert torch.equal(compiled(x), model(x))
+    assert backend.plans[0].pieces[0].unset == ("out",)
+    assert_replayed(backend)
