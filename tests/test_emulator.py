@@ -693,3 +693,108 @@ def test_a_replay_refuses_an_output_whose_memory_moved_since_capture():
     record._swap_data_ptr_(record.clone())
     with pytest.raises(MovedMemoryError, match="would read and write its old address"):
         g.replay()
+
+
+_STASH: dict[str, torch.Tensor] = {}
+
+
+@torch.library.custom_op("fxsplit_emutest::stash_double", mutates_args=())
+def _stash_double(x: torch.Tensor) -> torch.Tensor:
+    _STASH["h"] = x * 2  # made by the kernel, kept in a forward context for a later op
+    return x + 1
+
+
+@_stash_double.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxsplit_emutest::add_stashed", mutates_args=())
+def _add_stashed(x: torch.Tensor) -> torch.Tensor:
+    return x + _STASH["h"]
+
+
+@_add_stashed.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_reading_what_an_earlier_op_of_the_graph_stashed_replays():
+    """One op's kernel keeps a tensor it made in a forward context, a later op of the same
+    graph reads it there: a CUDA graph replays the first kernel into the capture's memory and
+    the second reads it, right; every replay stashes a new tensor, which is no moved state."""
+    x = torch.randn(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: _add_stashed(_stash_double(t)), x)
+    for _ in range(3):
+        x.copy_(torch.randn(4))
+        g.replay()
+        assert torch.equal(out, (x + 1) + x * 2)
+
+
+def test_a_stash_the_program_replaces_outside_the_graph_still_raises():
+    """The reading op alone in the graph: what it read at capture was the program's, and a
+    tensor put there since is moved state."""
+    _STASH["h"] = torch.ones(4)
+    g = EmulatedGraph()
+    g.capture(lambda t: _add_stashed(t) * 1, torch.randn(4))
+    _STASH["h"] = torch.zeros(4)
+    with pytest.raises(StateMovedError, match="another tensor than the one it touched"):
+        g.replay()
+
+
+_WINDOW = {"all": torch.arange(16.0)}
+
+
+@torch.library.custom_op("fxsplit_emutest::add_window", mutates_args=())
+def _add_window(x: torch.Tensor) -> torch.Tensor:
+    return x + _WINDOW["now"]
+
+
+@_add_window.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_reading_another_view_of_the_same_state_raises():
+    """The forward context holds a window into a persistent buffer, moved on since capture
+    (``all[4:8]`` for ``all[0:4]``): same storage, same address, but a CUDA kernel reads the
+    view it was launched on, the capture's window, silently."""
+    _WINDOW["now"] = _WINDOW["all"][0:4]
+    x = torch.zeros(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: _add_window(t) * 1, x)
+    _WINDOW["now"] = _WINDOW["all"][0:8].view(2, 4)[0]  # the same view, made anew
+    g.replay()
+    assert torch.equal(out, _WINDOW["all"][0:4])
+    _WINDOW["now"] = _WINDOW["all"][4:8]
+    with pytest.raises(StateMovedError, match="another view of it"):
+        g.replay()
+
+
+class _AddsGlobalBranch(torch.nn.Module):
+    def forward(self, t):
+        return (_gather_slots(t) * 2,)
+
+
+class _TriplesBranch(torch.nn.Module):
+    def forward(self, t):
+        return (t[:4] * 3,)
+
+
+def test_a_custom_op_reading_state_inside_a_hop_branch_captures_and_is_checked():
+    """A custom op reading a forward context inside ``cond``'s branch: the capture ran (it
+    raised TypeError in the checker of the branch, which notes nothing), and a replay after the
+    state was replaced raises as for the op outside a HOP."""
+    true_fn = torch.fx.symbolic_trace(_AddsGlobalBranch())
+    false_fn = torch.fx.symbolic_trace(_TriplesBranch())
+    _SLOTS["table"] = torch.arange(4)
+    x = torch.randn(8, 3)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: torch.ops.higher_order.cond(True, true_fn, false_fn, (t,))[0], x)
+    x.copy_(torch.randn(8, 3))
+    g.replay()
+    assert torch.equal(out, x[:4] * 4)
+    _SLOTS["table"] = torch.tensor([0, 0, 0, 0])
+    with pytest.raises(StateMovedError, match="another tensor than the one it touched"):
+        g.replay()

@@ -1208,3 +1208,50 @@ def test_a_capture_key_names_an_opaque_object_by_type_and_ordinal_never_an_addre
     assert "0x" not in text and text == key_text(
         (4, (Handle, first), (Handle, second), (Handle, first), (int, 3))
     )
+
+
+def _add_into(x):
+    out = torch.empty_like(x)
+    torch.add(x, 1, out=out)
+    return out
+
+
+def _copy_into_view(x):
+    out = torch.empty_like(x)
+    out.view(-1).copy_((x + 1).view(-1))
+    return out
+
+
+@pytest.mark.parametrize("fn", [_add_into, _copy_into_view], ids=["out", "view"])
+def test_verify_compares_an_allocated_buffer_the_piece_writes_through_out_or_a_view(fn):
+    """An ``empty_like`` the piece itself fills (an ``out=`` argument, a view's ``copy_``) holds
+    the piece's numbers: verify compares it, and a stale read (a trusted input that moved)
+    raises rather than return last call's numbers."""
+    compiled, backend = _compile(fn, verify=True, input_binding="trust")
+    with torch.no_grad(), pytest.raises(VerifyError, match="differs from running it uncaptured"):
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            assert torch.equal(compiled(x), fn(x))
+    assert backend.plans[0].pieces[0].unset == ()
+
+
+class FillsAViewOfAnEmptyBuffer(FillsAnEmptyBuffer):
+    """The buffer the eager op fills is a view of the memory the piece allocates."""
+
+    def forward(self, x):
+        q = self.a(x)
+        out = torch.empty(q.numel()).view(q.shape)
+        _softmax_into(q, out)
+        return self.b(out)
+
+
+def test_verify_leaves_out_a_view_of_a_buffer_the_piece_allocates_for_an_eager_op():
+    model = FillsAViewOfAnEmptyBuffer().eval()
+    backend = _backend(verify=True, splitting_ops=["fxsplit_test_runtime::softmax_into"])
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            assert torch.equal(compiled(x), model(x))
+    assert backend.plans[0].pieces[0].unset == ("out",)
+    assert_replayed(backend)

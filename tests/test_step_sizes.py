@@ -543,3 +543,37 @@ def test_a_users_op_never_moves_past_an_effect(make, effect, capture):
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     if capture == "emulate":
         assert counters.snapshot()["replays"] > 0
+
+
+class WritesThroughOut(nn.Module):
+    """Pure-looking work over the cache's length that writes a buffer built from host values,
+    which another op reads before the work's own user: ``torch.add(..., out=buf)`` (a torch
+    function names no overload; its functional ones write nothing) and ``batch_norm`` in
+    training mode (its schema declares no write of its running statistics)."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.write = write
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        n = cache.keys.shape[1]
+        buf = torch.zeros(n)
+        r = self.write(torch.arange(2 * n, dtype=torch.float32).reshape(2, n), buf)
+        seen = self.lin(x).sum() + buf.sum()  # reads buf after the write
+        return (cache.keys * r[0][None, :, None]).sum(1) + seen
+
+
+def _add_out(z, buf):
+    return torch.add(z[0], 1.0, out=buf)[None]
+
+
+def _batch_norm(z, buf):
+    return torch.batch_norm(z, None, None, buf, torch.ones_like(buf), True, 0.5, 1e-5, False)
+
+
+@pytest.mark.parametrize("write", [_add_out, _batch_norm], ids=["out", "batch_norm"])
+@pytest.mark.parametrize("capture", ["off", "emulate"])
+def test_work_writing_a_buffer_never_moves_past_a_reader_of_it(write, capture):
+    _equals_eager_step_by_step(WritesThroughOut(write).eval(), capture)

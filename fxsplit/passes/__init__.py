@@ -103,16 +103,49 @@ def split(
 
 
 def _unset(nodes, outputs: tuple[str, ...]) -> tuple[str, ...]:
-    """The outputs a piece allocates (the ``empty`` family) and none of its nodes may write:
-    what they hold when it ends is unspecified."""
-    mine = {n.name: n for n in nodes}
-    return tuple(
-        name
-        for name in outputs
-        if name in mine
-        and op_facts.is_allocation(mine[name])
-        and not any(u.name in mine and op_facts.may_write(u) for u in mine[name].users)
-    )
+    """The outputs a piece allocates (the ``empty`` family), or views of such memory
+    (``torch.empty(n).view(4, -1)``), that none of its nodes may write, directly or through a
+    view (``out.view(-1).copy_(y)``, ``torch.add(a, b, out=out)``): what they hold when it
+    ends is unspecified."""
+    inside = set(nodes)
+    unset: set[str] = set()
+    for node in nodes:
+        if op_facts.is_allocation(node):
+            aliases = _unwritten_aliases(node, inside)
+            unset.update(n.name for n in aliases)
+    return tuple(name for name in outputs if name in unset)
+
+
+def _unwritten_aliases(allocation, inside) -> set:
+    """``allocation`` and the nodes of ``inside`` viewing its memory (Dynamo's example values
+    say which do; a node without one may alias it), or nothing where one of ``inside`` may
+    write that memory."""
+    storage = _storage(allocation)
+    aliases = {allocation}
+    todo = [allocation]
+    while todo:
+        for user in todo.pop().users:
+            if user not in inside or user in aliases:
+                continue
+            if user.op == "call_module" or op_facts.may_write(user, dispatch=True):
+                return set()
+            if step_sizes.writes_when_run(user):
+                return set()
+            value = _storage(user)
+            if value is None or value == storage:  # a view (or unknown): its users count too
+                aliases.add(user)
+                todo.append(user)
+    return aliases
+
+
+def _storage(node) -> int | None:
+    value = node.meta.get("example_value")
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return value.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _devices(nodes, inputs) -> tuple[str, ...]:

@@ -58,6 +58,7 @@ __all__ = [
     "may_write",
     "sync_entry_points",
     "unsafe",
+    "writes_out",
 ]
 
 aten = torch.ops.aten
@@ -444,9 +445,11 @@ def is_pure(node: Node) -> bool:
     - or it is host arithmetic on Python values and SymInts (``operator``, ``math``, ``sym_*``).
 
     A user's op (a custom op, an ``allow_in_graph`` function) is never pure here: its Python
-    body may draw from the generator or bump a counter, which no schema declares.
+    body may draw from the generator or bump a counter, which no schema declares. Nor is a call
+    with an ``out=`` argument (``torch.add(a, b, out=buf)``): a node names no overload, and its
+    op's functional overloads write nothing where the call writes ``buf``.
     """
-    if node.op not in ("call_function", "call_method") or node.is_impure():
+    if node.op not in ("call_function", "call_method") or node.is_impure() or writes_out(node):
         return False
     names = op_names(node)
     if names is None:  # a Python operator on host values, or a call of no op at all
@@ -484,13 +487,21 @@ def _host_arithmetic(node: Node) -> bool:
     )
 
 
+def writes_out(node: Node) -> bool:
+    """Whether the call hands an ``out=`` argument (``torch.add(a, b, out=buf)``,
+    ``torch.cat(xs, out=buf)``): it writes ``buf`` whatever its op's functional overloads say
+    (a node with a torch function or Tensor method as its target names no overload)."""
+    return node.kwargs.get("out") is not None
+
+
 def may_write(node: Node, dispatch: bool = False) -> bool:
-    """Whether the op ``node`` calls may write one of its arguments, from its schemas. A node
+    """Whether the op ``node`` calls may write one of its arguments, from its schemas (an
+    ``out=`` argument included, :func:`writes_out`). A node
     that calls no op the dispatcher knows may; with ``dispatch``, a Tensor method with no aten
     op of its name (``x.float()``, ``x.long()``) is asked which ops it runs
     (:func:`_method_writes`)."""
     names = op_names(node)
-    if names is None:
+    if names is None or writes_out(node):
         return True
     if dispatch and not _overloads(names):
         return _method_writes(node)

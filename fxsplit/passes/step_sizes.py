@@ -148,7 +148,10 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     between ``doubled = positions * 2`` and its user, or through an alias made by an op that
     reads other tensors too: ``positions.view_as(x).add_(1)``, ``positions.to(x).add_(1)``, or
     by an op whose schema does not declare it: ``batch_norm``'s running statistics), and never
-    across a global-state switch (grad mode, autocast) or setter (``set_default_dtype``)."""
+    across a global-state switch (grad mode, autocast) or setter (``set_default_dtype``). Work
+    that itself writes a tensor where its schema says it writes none (``batch_norm`` in
+    training mode updating running statistics that are pure work too) never moves either:
+    moved past a reader of those statistics, the reader would see them not yet updated."""
     constant = {n for n in graph.nodes if _constant(n)}
     built: set[Node] = set()
     for node in graph.nodes:
@@ -156,6 +159,7 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
             all(a in built or a in constant for a in node.all_input_nodes)
             and not global_state.is_state_node(node)
             and op_facts.is_pure(node)
+            and not (_reads_tensors(node) and writes_when_run(node))
         ):
             built.add(node)
     memory = {m for n in built if (m := _storage(n)) is not None}
@@ -177,6 +181,11 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
         reasons[node] = tuple(
             sorted({*reasons.get(node, ()), *(r for u in node.users for r in reasons[u])})
         )
+
+
+def _reads_tensors(node: Node) -> bool:
+    """Whether one of ``node``'s inputs is a tensor (host arithmetic writes no memory)."""
+    return any(isinstance(a.meta.get("example_value"), torch.Tensor) for a in node.all_input_nodes)
 
 
 def _constant(node: Node) -> bool:
@@ -208,7 +217,7 @@ def _writes_built(node: Node, built: set[Node], memory: set[int]) -> bool:
     shares the memory of a tensor of ``built`` (``memory``: their storages, as Dynamo's example
     values hold them; an alias is not always pure work: ``positions.view_as(x)`` reads ``x``).
     Where the schemas say the op writes nothing, functionalization is asked
-    (:func:`_writes_when_run`)."""
+    (:func:`writes_when_run`)."""
     if node.op not in ("call_function", "call_method", "call_module"):
         return False
     if not any(
@@ -220,11 +229,11 @@ def _writes_built(node: Node, built: set[Node], memory: set[int]) -> bool:
         node.op == "call_module"
         or node.is_impure()
         or op_facts.may_write(node, dispatch=True)
-        or _writes_when_run(node)
+        or writes_when_run(node)
     )
 
 
-def _writes_when_run(node: Node) -> bool:
+def writes_when_run(node: Node) -> bool:
     """Whether ``node``, run on fake copies of its inputs, writes one, as functionalization
     sees it (:func:`fxsplit.passes.aliasing.analyse`): the schema of an op that decomposes need
     not declare what its decomposition writes (``batch_norm`` and ``instance_norm`` write their

@@ -177,21 +177,39 @@ def _run_checked(
     with checker:
         out = func.redispatch(keys & _BELOW_PYTHON, *args, **kwargs)
     touched = tuple(checker.touched.values())
+    kept = graph._made_by_kernels
+    for cdata, ref in checker._made.items():  # alive after the kernel: kept (a global, a result)
+        if not ref.expired():
+            kept[cdata] = ref
     if parent is not None:
         parent.heard(touched)
     return out, touched
+
+
+def _keeps(graph: EmulatedGraph, before: set[int], out: Any) -> bool:
+    """Whether the custom op that just ran kept memory its kernel made beyond its results
+    (registered since ``before``): a later op of the record may read it outside its arguments,
+    and every replay must register the memory it makes anew (:class:`_ReadsState`)."""
+    results = _storages(tree_leaves(out))
+    return any(c not in before and c not in results for c in graph._made_by_kernels)
 
 
 class _Touched:
     """A storage a custom op's kernel touched outside its arguments: the storage (weakly), its
     address, and what touched it (the tensor's dtype and shape, the aten op) for messages."""
 
-    __slots__ = ("ptr", "ref", "what")
+    __slots__ = ("made", "ptr", "ref", "views", "what")
 
-    def __init__(self, storage: torch.UntypedStorage, what: str):
+    def __init__(self, storage: torch.UntypedStorage, what: str, made: bool = False):
         self.ref = StorageWeakRef(storage)
         self.ptr = storage.data_ptr()
         self.what = what
+        # the address, sizes and strides of each view of it the kernel's ops took: a CUDA
+        # kernel reads the view it was launched on (``window[step:step + 4]`` at capture's step)
+        self.views: set[tuple] = set()
+        # made by another custom op's kernel earlier in the same capture or replay (a stash
+        # in a forward context): a CUDA graph replays that kernel into the same memory
+        self.made = made
 
 
 def _storages(leaves) -> set[int]:
@@ -212,14 +230,14 @@ class _Checker(TorchDispatchMode):
         self.graph = graph
         self.theirs = theirs
         self.touched: dict[int, _Touched] = {}
-        self._made: set[int] = set()
+        self._made: dict[int, StorageWeakRef] = {}
 
     supports_higher_order_operators = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
-            return _run_hop(self.graph, func, args, kwargs)
+            return _run_hop(self.graph, func, args, kwargs, self)[0]
         bad = _illegal_op(func, args, kwargs)
         if bad is not None:
             self.graph._fail(*bad)
@@ -232,25 +250,34 @@ class _Checker(TorchDispatchMode):
         seen = _storages(inputs)
         for leaf in outputs:  # a fresh result is the kernel's own memory
             if type(leaf) in _PLAIN and leaf.layout == torch.strided:
-                cdata = leaf.untyped_storage()._cdata
-                if cdata not in seen:
-                    self._made.add(cdata)
+                storage = leaf.untyped_storage()
+                if storage._cdata not in seen:
+                    self._made[storage._cdata] = StorageWeakRef(storage)
         for leaf in inputs:
             if type(leaf) not in _PLAIN or leaf.layout != torch.strided:
                 continue
             storage = leaf.untyped_storage()
             cdata = storage._cdata
-            if cdata in self.theirs or cdata in self._made or cdata in self.touched:
+            if cdata in self.theirs or cdata in self._made:
                 continue
-            what = f"a {leaf.dtype} tensor of shape {tuple(leaf.shape)} (read by {_op_name(func)})"
-            self.touched[cdata] = _Touched(storage, what)
+            found = self.touched.get(cdata)
+            if found is None:
+                what = (
+                    f"a {leaf.dtype} tensor of shape {tuple(leaf.shape)} (read by {_op_name(func)})"
+                )
+                maker = self.graph._made_by_kernels.get(cdata)
+                made = maker is not None and not maker.expired()
+                found = self.touched[cdata] = _Touched(storage, what, made)
+            found.views.add((leaf.data_ptr(), tuple(leaf.shape), leaf.stride()))
 
     def heard(self, touched: tuple[_Touched, ...]) -> None:
         """A custom op called inside this kernel touched these outside its own arguments."""
+        if self.theirs is None:  # a checker that notes nothing (a legality check)
+            return
         for found in touched:
             cdata = found.ref.cdata
             if cdata not in self.theirs and cdata not in self._made:
-                self.touched.setdefault(cdata, found)
+                self.touched.setdefault(cdata, found).views.update(found.views)
 
 
 class _ReadsState:
@@ -267,13 +294,21 @@ class _ReadsState:
         self.touched = {t.ref.cdata: t for t in touched}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out, now = _run_checked(self.graph, self.func, args, kwargs)
+        if isinstance(self.func, torch._ops.HigherOrderOperator):
+            out, now = _run_hop(self.graph, self.func, args, kwargs)
+        else:
+            out, now = _run_checked(self.graph, self.func, args, kwargs)
+        made = any(t.made for t in self.touched.values())
         for found in now:
             was = self.touched.get(found.ref.cdata)
+            if found.made and made:
+                continue  # memory an earlier kernel of this replay made, as at capture
             if was is None or was.ref.expired():
                 how = "another tensor than the one it touched"
             elif was.ptr != found.ptr:
                 how = "the tensor it touched, but at another address than"
+            elif not found.views <= was.views:
+                how = "the tensor it touched, but another view of it (offset, sizes, strides) than"
             else:
                 continue
             op = self.name.split(".")[0]
@@ -286,7 +321,9 @@ class _ReadsState:
         return out
 
 
-def _run_hop(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> Any:
+def _run_hop(
+    graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict, parent: _Checker | None = None
+) -> tuple[Any, tuple[_Touched, ...]]:
     """Run a higher-order op (``cond``, ``while_loop``, ``invoke_subgraph``, ``wrap``,
     ``auto_functionalized``, ...) once, checking every aten op its subgraphs run.
 
@@ -294,19 +331,31 @@ def _run_hop(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> Any:
     with the modes off and each subgraph module it calls pushes a checking mode while it runs.
     Python branching on a tensor (``cond`` on a tensor predicate, ``while_loop``'s condition)
     still meets the host-read guard, as a CUDA capture meets the sync.
+
+    Returns:
+        ``(result, touched)``: the storages the subgraphs' ops (a custom op's kernel in a
+        branch) touched outside the HOP's arguments and what its subgraphs made, as
+        :func:`_run_checked` finds them for a custom op.
     """
+    flat, spec = tree_flatten((args, kwargs))
+    # one checker for every subgraph run of this call: a loop's carried values, made by the
+    # body's previous run, are the subgraphs' own memory
+    checker = _Checker(graph, _storages(flat))
 
     def checked(module: torch.nn.Module) -> Callable:
         def run(*a: Any, **kw: Any) -> Any:
-            with _Checker(graph):
+            with checker:
                 return module(*a, **kw)
 
         return run
 
-    flat, spec = tree_flatten((args, kwargs))
     wrapped = [checked(a) if isinstance(a, torch.nn.Module) else a for a in flat]
     run_args, run_kwargs = tree_unflatten(wrapped, spec)
-    return func(*run_args, **run_kwargs)
+    out = func(*run_args, **run_kwargs)
+    touched = tuple(checker.touched.values())
+    if parent is not None:
+        parent.heard(touched)
+    return out, touched
 
 
 class _Recorder(TorchDispatchMode):
@@ -337,13 +386,16 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
-            out = _run_hop(self.graph, func, args, kwargs)
+            out, touched = _run_hop(self.graph, func, args, kwargs)
+            if touched:
+                return self._record(func, args, kwargs, out, _ReadsState(self.graph, func, touched))
         else:
             bad = _illegal_op(func, args, kwargs)
             if bad is not None:
                 self.graph._fail(*bad)
+            before = set(self.graph._made_by_kernels)
             out, touched = _run_checked(self.graph, func, args, kwargs)
-            if touched:
+            if touched or _keeps(self.graph, before, out):
                 call = _ReadsState(self.graph, func, touched)
                 return self._record(func, args, kwargs, out, call)
         return self._record(func, args, kwargs, out)
@@ -659,7 +711,10 @@ class EmulatedGraph:
       writes outside its arguments (a forward context's metadata, a module attribute, a
       global) are noted at capture: every replay checks it touches the same ones at the same
       addresses and raises :class:`StateMovedError` otherwise (a CUDA graph would touch the
-      capture's memory, silently). Not seen: host reads that never reach the dispatcher on CPU
+      capture's memory, silently). Memory a kernel made and kept (stashed in a forward context
+      for a later op of the same graph) is made anew by every replay, as a CUDA graph rewrites
+      the capture's: a later op touching such memory, as at capture, is no moved state. Not
+      seen: host reads that never reach the dispatcher on CPU
       (``.tolist()``, ``.numpy()``) inside a kernel (torch-function modes are off inside
       dispatcher kernels); Python values the kernel reads outside its arguments (a step
       counter: a CUDA graph froze the value, the emulator reads it afresh); memory a kernel
@@ -678,6 +733,8 @@ class EmulatedGraph:
         self._addresses: tuple[tuple[torch.UntypedStorage, int], ...] = ()
         self._error: CaptureError | None = None
         self._recorder: _Recorder | None = None
+        # storages custom ops' kernels made and kept during the capture or replay under way
+        self._made_by_kernels: dict[int, StorageWeakRef] = {}
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -703,6 +760,7 @@ class EmulatedGraph:
         if self._steps is not None:
             raise RuntimeError("EmulatedGraph already holds a capture; call reset() first")
         self._error = None
+        self._made_by_kernels = {}
         recorder = self._recorder = _Recorder(self)
         _tls.active = self
         self.pool.capture_begin()
@@ -784,6 +842,7 @@ class EmulatedGraph:
                     "moved to other memory since; a CUDA graph would read and write its old "
                     "address"
                 )
+        self._made_by_kernels = {}
         # Inference mode: a captured piece may have made inference tensors (an inference_mode
         # block inside it), which only inference mode may write; a kernel has no grad mode.
         with torch.inference_mode(), torch._C._DisableAutocast():
