@@ -93,11 +93,38 @@ _FLASH_ATTN_OPS = (
     "flash_attn::_flash_attn_forward",
     "flash_attn::_flash_attn_varlen_forward",
 )
-_ENGINE_OPS = (
-    "vllm::unified_attention",
+# vLLM's ops are its own list when vLLM compiles through fxsplit (fxsplit.vllm reads it from
+# vLLM); these are that list as vLLM 0.32 declares it (CompilationConfig._attention_ops), kept
+# for graphs traced outside vLLM's compile path, a documented exception to reading op facts from
+# their owner. Attention, linear attention and state-space ops read per-step metadata from
+# vLLM's forward context, not from their arguments: eager under every runner.
+VLLM_ATTENTION_OPS = (
     "vllm::unified_attention_with_output",
-    "vllm::unified_mla_attention",
     "vllm::unified_mla_attention_with_output",
+    "vllm::mamba_mixer2",
+    "vllm::mamba_mixer",
+    "vllm::short_conv",
+    "vllm::qwen4_exp_ple_short_conv",
+    "vllm::qwen4_exp_qsa_with_output",
+    "vllm::qwen4_exp_qsa_prepare_with_output",
+    "vllm::linear_attention",
+    "vllm::qwen_gdn_attention_core",
+    "vllm::qwen_gdn_attention_core_fused_norm_packed",
+    "vllm::gdn_attention_core_xpu",
+    "vllm::olmo_hybrid_gdn_full_forward",
+    "vllm::deepseek_v4_attention",
+    "vllm::hpc_rope_norm_forward",
+)
+# vLLM's sparse indexers: top-k over the cached keys (eager under every runner).
+VLLM_INDEXER_OPS = ("vllm::sparse_attn_indexer", "vllm::rocm_aiter_sparse_attn_indexer")
+# The KV-cache writes vLLM adds to its default splitting_ops (in code, not in a list it
+# exposes). They write at the slot mapping of the step, read from the forward context: under a
+# runner that rebuilds that metadata each step (v1) a replay would write where the capture's
+# step did, so they are attention input preparation, captured only by a runner keeping it in
+# persistent buffers (v2).
+VLLM_KV_CACHE_UPDATE_OPS = ("vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update")
+ENGINE_OPS = (
+    *VLLM_ATTENTION_OPS,
     "sglang::unified_attention_with_output",
     "trtllm::attn_custom_op_inplace",
     "trtllm::mla_custom_op_inplace",
@@ -113,7 +140,9 @@ def defaults() -> tuple[Preset, ...]:
         Preset("sdpa", ATTENTION, ops=_sdpa_ops()),
         Preset("flex_attention", ATTENTION, ops=_flex_ops()),
         Preset("flash_attn", ATTENTION, ops=_FLASH_ATTN_OPS),
-        Preset("engine_attention", ATTENTION, ops=_ENGINE_OPS),
+        Preset("engine_attention", ATTENTION, ops=ENGINE_OPS),
+        Preset("engine_kv_cache_update", ATTN_PREP, ops=VLLM_KV_CACHE_UPDATE_OPS),
+        Preset("engine_sparse_indexer", SPARSE_INDEXER, ops=VLLM_INDEXER_OPS),
         Preset("rotary_embedding", ATTN_PREP, modules=("*RotaryEmbedding",)),
         Preset("sparse_indexer", SPARSE_INDEXER, modules=_INDEXERS),
     )
