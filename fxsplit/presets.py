@@ -36,6 +36,11 @@ class Preset:
         ops: op names ``"ns::op"`` or ``"ns::op.overload"`` (as ``splitting_ops`` takes them).
         modules: module class names, class-name globs (``"*RotaryEmbedding"``) or module-path
             globs (as ``module_regions`` takes them).
+        methods: ``"Class.method"`` names: a node matches when a module of class ``Class``
+            encloses it (``nn_module_stack``) and a frame of a function named ``method`` is on
+            the stack Dynamo recorded for it (``stack_trace``): code a model keeps in one
+            method without a module of its own (vLLM's DeepSeek-V4 attention input
+            preparation, ``DeepseekV4Attention._prepare_and_attn``).
 
     Raises:
         TypeError / ValueError: a field of the wrong type, an empty name, or a malformed op name.
@@ -45,6 +50,7 @@ class Preset:
     region: str
     ops: tuple[str, ...] = ()
     modules: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from fxsplit.passes.ops import parse_op_name
@@ -53,7 +59,7 @@ class Preset:
             value = getattr(self, field_name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"Preset {field_name} must be a non-empty str, got {value!r}")
-        for field_name in ("ops", "modules"):
+        for field_name in ("ops", "modules", "methods"):
             value = getattr(self, field_name)
             if isinstance(value, str) or not isinstance(value, Iterable):
                 raise TypeError(
@@ -69,6 +75,12 @@ class Preset:
             object.__setattr__(self, field_name, value)
         for name in self.ops:
             parse_op_name(name)
+        for name in self.methods:
+            owner, _, method = name.rpartition(".")
+            if not owner or not method.isidentifier():
+                raise ValueError(
+                    f"Preset {self.name!r}: methods holds {name!r}; entries are 'Class.method'"
+                )
 
 
 def _sdpa_ops() -> tuple[str, ...]:
@@ -129,8 +141,15 @@ ENGINE_OPS = (
     "trtllm::attn_custom_op_inplace",
     "trtllm::mla_custom_op_inplace",
 )
-# Sparse top-k indexers of DeepSeek sparse attention, as transformers names their modules.
-_INDEXERS = ("DeepseekV32Indexer", "DeepseekV4Indexer")
+# Sparse top-k indexers of DeepSeek sparse attention, as transformers and vLLM name their
+# modules (vLLM's DeepseekV4Indexer prepares the indexer's queries; its SparseAttnIndexer scores
+# and picks the top-k).
+_INDEXERS = ("DeepseekV32Indexer", "DeepseekV4Indexer", "SparseAttnIndexer")
+# vLLM's DeepSeek-V4 attention keeps its input preparation (query rotary, KV-cache insert, the
+# indexer's and the compressor's inputs) in one method, which it runs eagerly under its V1
+# model runner (``_prepare_and_attn_eager`` wraps it) and captures under V2; it has no module
+# or op of its own to match.
+_ATTN_PREP_METHODS = ("DeepseekV4Attention._prepare_and_attn",)
 
 
 @functools.cache
@@ -144,6 +163,7 @@ def defaults() -> tuple[Preset, ...]:
         Preset("engine_kv_cache_update", ATTN_PREP, ops=VLLM_KV_CACHE_UPDATE_OPS),
         Preset("engine_sparse_indexer", SPARSE_INDEXER, ops=VLLM_INDEXER_OPS),
         Preset("rotary_embedding", ATTN_PREP, modules=("*RotaryEmbedding",)),
+        Preset("engine_attn_prep", ATTN_PREP, methods=_ATTN_PREP_METHODS),
         Preset("sparse_indexer", SPARSE_INDEXER, modules=_INDEXERS),
     )
 
@@ -162,7 +182,7 @@ def resolve(value: bool | tuple[Preset, ...]) -> tuple[Preset, ...]:
 
 def from_option(key: str, value: object) -> bool | tuple[Preset, ...]:
     """Validate a ``presets`` option: a bool, a :class:`Preset`, a list of them, or a dict
-    ``{name: Preset or {"region": ..., "ops": [...], "modules": [...]}}``.
+    ``{name: Preset or {"region": ..., "ops": [...], "modules": [...], "methods": [...]}}``.
 
     Raises:
         TypeError: another type, naming the key and what is allowed.
@@ -193,13 +213,19 @@ def _from_entry(key: str, name: object, entry: object) -> Preset:
     if not isinstance(entry, Mapping):
         raise TypeError(
             f"fxsplit option {key}[{name!r}]={entry!r}; expected a Preset or a dict with "
-            "'region' and 'ops' and/or 'modules'"
+            "'region' and 'ops', 'modules' and/or 'methods'"
         )
-    unknown = sorted(set(entry) - {"region", "ops", "modules"})
+    unknown = sorted(set(entry) - {"region", "ops", "modules", "methods"})
     if unknown or "region" not in entry:
         what = f"unknown key {unknown[0]!r}" if unknown else "no 'region'"
         raise ValueError(
             f"fxsplit option {key}[{name!r}] has {what}; keys: 'region' (required), 'ops', "
-            "'modules'"
+            "'modules', 'methods'"
         )
-    return Preset(name, entry["region"], entry.get("ops", ()), entry.get("modules", ()))
+    return Preset(
+        name,
+        entry["region"],
+        entry.get("ops", ()),
+        entry.get("modules", ()),
+        entry.get("methods", ()),
+    )
