@@ -16,6 +16,7 @@ from fxsplit.runtime.emulator import (
     EmulatedGraph,
     HostValueChangedError,
     MovedMemoryError,
+    StateMovedError,
     call_opaque,
 )
 
@@ -564,3 +565,143 @@ def test_a_replay_refuses_memory_moved_since_capture():
     w.untyped_storage()._swap_data_ptr_(w.untyped_storage().clone())
     with pytest.raises(MovedMemoryError, match="would read and write its old address"):
         g.replay()
+
+
+# An engine's op reads per-step state that is not among its arguments (vLLM's attention reads
+# slot mappings and block tables from a forward context): here a global table of slots.
+_SLOTS = {"table": torch.arange(4)}
+
+
+@torch.library.custom_op("fxsplit_emutest::gather_slots", mutates_args=())
+def _gather_slots(x: torch.Tensor) -> torch.Tensor:
+    return x[_SLOTS["table"]] * 2
+
+
+@_gather_slots.register_fake
+def _(x):
+    return x.new_empty(4, *x.shape[1:])
+
+
+@torch.library.custom_op("fxsplit_emutest::write_slots", mutates_args=())
+def _write_slots(x: torch.Tensor) -> torch.Tensor:
+    _SLOTS["cache"].index_copy_(0, _SLOTS["table"], x[:4])
+    return x + 1
+
+
+@_write_slots.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_reading_state_updated_in_place_replays_it():
+    """State outside the op's arguments kept in a persistent buffer and refilled in place:
+    the replay reads the same memory a CUDA graph reads, so it follows the new values."""
+    _SLOTS["table"] = torch.arange(4)
+    x = torch.randn(8, 3)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: _gather_slots(t) + 1, x)
+    _SLOTS["table"].copy_(torch.tensor([3, 2, 1, 0]))
+    g.replay()
+    assert torch.equal(out, x[_SLOTS["table"]] * 2 + 1)
+
+
+def test_a_custom_op_reading_state_rebound_since_capture_raises_naming_op_and_tensor():
+    """The per-step state rebuilt as a new tensor (a v1 runner's metadata): a CUDA graph would
+    read the capture step's tensor, silently; the emulator, which calls the op afresh, would
+    read the new one. It raises instead of being more lenient than CUDA."""
+    _SLOTS["table"] = torch.arange(4)
+    x = torch.randn(8, 3)
+    g = EmulatedGraph()
+    g.capture(lambda t: _gather_slots(t) + 1, x)
+    _SLOTS["table"] = torch.tensor([0, 0, 0, 0])
+    with pytest.raises(
+        StateMovedError,
+        match=r"gather_slots touched a torch.int64 tensor of "
+        r"shape \(4,\).*another tensor than the one it touched at capture",
+    ) as e:
+        g.replay()
+    assert "splitting_ops=['fxsplit_emutest::gather_slots']" in str(e.value)
+    assert isinstance(e.value, MovedMemoryError)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch cannot move memory"
+)
+def test_a_custom_op_writing_state_that_moved_since_capture_raises():
+    """A cache the op writes through a forward context, moved to other memory: a CUDA graph
+    would write the old address."""
+    _SLOTS["table"], _SLOTS["cache"] = torch.arange(4), torch.zeros(8, 3)
+    x = torch.randn(8, 3)
+    g = EmulatedGraph()
+    g.capture(_write_slots, x)
+    g.replay()
+    cache = _SLOTS["cache"].untyped_storage()
+    cache._swap_data_ptr_(cache.clone())
+    with pytest.raises(StateMovedError, match="the tensor it touched, but at another address"):
+        g.replay()
+
+
+def test_a_custom_op_touching_only_its_arguments_replays_unchecked():
+    """Only ops that touched state outside their arguments pay for the check."""
+    x = torch.randn(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: _plus_one(t) * 2, x)
+    assert all(type(step[1]).__name__ != "_ReadsState" for step in g._steps)
+    x.copy_(torch.randn(4))
+    g.replay()
+    assert torch.equal(out, (x + 1) * 2)
+
+
+class _Engine(torch.nn.Module):
+    """A layer whose op gathers through the runner's slot table (outside its arguments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(_gather_slots(self.lin(x)))
+
+
+@pytest.mark.parametrize("runner", ["rebuilds", "refills"])
+def test_a_compiled_piece_reading_a_runners_table_raises_where_cuda_would_read_stale(runner):
+    """End to end: a runner that rebuilds its table every step (a v1 runner's metadata) gets a
+    loud error at the first replay; one that refills it in place (v2's persistent buffers)
+    replays eager's numbers; the op made a splitting op runs eagerly and is right either way."""
+    import fxsplit
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(_Engine()).eval()
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
+    compiled = torch.compile(model, backend=backend)
+    eager_op = torch.compile(
+        model,
+        backend=fxsplit.Backend(
+            capture="emulate", eager_regions=[], splitting_ops=["fxsplit_emutest::gather_slots"]
+        ),
+    )
+    _SLOTS["table"] = torch.arange(4)
+    with torch.no_grad():
+        for step in range(4):
+            table = torch.randperm(8)[:4]
+            if runner == "rebuilds":
+                _SLOTS["table"] = table
+            else:
+                _SLOTS["table"].copy_(table)
+            x = torch.randn(8, 3)
+            want = model(x)
+            assert torch.equal(eager_op(x), want)
+            if runner == "rebuilds" and step == 2:  # capture at 1, the first replay at 2
+                with pytest.raises(StateMovedError, match="gather_slots"):
+                    compiled(x)
+                break
+            assert torch.equal(compiled(x), want)
+    replays = sum(
+        counts.get("replays", 0)
+        for pieces in backend.stats.values()
+        for keys in pieces.values()
+        for key, counts in keys.items()
+        if key != "refused"
+    )
+    assert replays == (2 if runner == "refills" else 0)
+    torch._dynamo.reset()

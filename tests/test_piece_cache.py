@@ -212,6 +212,34 @@ def test_a_user_ops_python_implementation_enters_the_key(tmp_path):
         assert (found["pieces_compiled"], found["piece_cache_hits"]) == (compiled, hits)
 
 
+_LIBRARY.define("widen(Tensor x) -> Tensor")
+
+
+class _Widen(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.ops.fxsplit_piece_cache.widen(self.proj(x)).relu().sum(1)
+
+
+def test_a_user_ops_fake_kernel_enters_the_key(tmp_path):
+    """The fake kernel decides the shapes a piece is compiled for; the graph names the op
+    only. Between two runs the op's width changes with its fake kernel: the second run
+    compiles (no stale artifact served, which failed at its first call), a third hits."""
+    for width, compiled, hits in ((8, 1, 0), (16, 1, 0), (16, 0, 1)):
+        implementation = torch.library.Library("fxsplit_piece_cache", "IMPL")
+        implementation.impl("widen", lambda x, w=width: x.repeat(1, w // 8), "CPU")
+        implementation.impl("widen", lambda x, w=width: x.new_empty(x.shape[0], w), "Meta")
+        try:
+            found, _ = _run(tmp_path, _Widen())
+        finally:
+            implementation._destroy()
+        assert (found["pieces_compiled"], found["piece_cache_hits"]) == (compiled, hits)
+
+
 # --------------------------------------------------------------------- a store that holds
 
 

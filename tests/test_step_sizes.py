@@ -447,6 +447,88 @@ def test_work_feeding_step_size_nodes_never_moves_past_a_global_setter(capture):
     assert torch.get_default_dtype() == torch.float32
 
 
+# User ops whose Python bodies have effects no schema declares: one draws from the default
+# generator, one bumps a host counter that the other reads.
+_COUNTER = [0]
+
+
+@torch.library.custom_op("fxsplit_test_moves::noisy_positions", mutates_args=())
+def noisy_positions(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) + torch.rand(n)
+
+
+@noisy_positions.register_fake
+def _(n):
+    return torch.empty(n)
+
+
+@torch.library.custom_op("fxsplit_test_moves::counted_positions", mutates_args=())
+def counted_positions(n: int) -> torch.Tensor:
+    _COUNTER[0] += 1
+    return torch.arange(n, dtype=torch.float32) * _COUNTER[0]
+
+
+@counted_positions.register_fake
+def _(n):
+    return torch.empty(n)
+
+
+@torch.library.custom_op("fxsplit_test_moves::scaled_by_count", mutates_args=())
+def scaled_by_count(x: torch.Tensor) -> torch.Tensor:
+    _COUNTER[0] += 1
+    return x * _COUNTER[0]
+
+
+@scaled_by_count.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class UserOpBeforeAnEffect(nn.Module):
+    """Positions over the grown cache made by a user's op, then an effect (a random draw, a
+    counter bump), then work using the positions: the user's op must keep its place before
+    the effect (moved next to its user, it draws the other's numbers or reads another count)."""
+
+    def __init__(self, make, effect):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.make, self.effect = make, effect
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        positions = self.make(cache.keys.shape[1])
+        h = self.lin(self.effect(x))
+        return h + (cache.keys * positions[None, :, None]).sum(1)
+
+
+@pytest.mark.parametrize(
+    ("make", "effect"),
+    [
+        (noisy_positions, torch.rand_like),
+        (noisy_positions, lambda x: nn.functional.dropout(x, 0.5, training=True)),
+        (counted_positions, scaled_by_count),
+    ],
+    ids=["draws_before_rand_like", "draws_before_dropout", "counts_before_another_op"],
+)
+@pytest.mark.parametrize("capture", ["off", "emulate"])
+def test_a_users_op_never_moves_past_an_effect(make, effect, capture):
+    _COUNTER[0] = 0
+    model = UserOpBeforeAnEffect(make, effect).eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        _COUNTER[0] = 0
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    got = run(torch.compile(model, backend=fxsplit.Backend(capture=capture)))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if capture == "emulate":
+        assert counters.snapshot()["replays"] > 0
+
+
 class TwoTokenInputs(nn.Module):
     """An engine's step: token ids and their positions, each marked dynamic on its own (as vLLM
     marks them), so Dynamo gives the two leading dims a symbol each."""
