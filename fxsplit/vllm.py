@@ -88,7 +88,7 @@ class VllmBackend(Backend):
             )
         read = vllm_options(vllm_config, gm, module)
         merged = {**read, **self.explicit, **(options or {})}
-        eager_ops = sum(len(p.ops) for p in read["presets"])
+        eager_ops = sum(o.startswith("vllm::") for p in read["presets"] for o in p.ops)
         log.info(
             "fxsplit.vllm: runner %r, size_input %r, capture_sizes %r, %d eager ops from vLLM%s",
             merged["runner"],

@@ -82,6 +82,7 @@ def build(name: str, folder: str, seed: int = 0) -> str:
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     config = _config(name)
+    tf.utils.logging.disable_progress_bar()  # one line per model, not a bar per shard
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     model.save_pretrained(path)
