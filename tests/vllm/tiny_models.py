@@ -23,7 +23,7 @@ _COMMON = {
     "num_key_value_heads": 1,
     "head_dim": 64,
     "max_position_embeddings": 512,
-    "torch_dtype": "float32",
+    "dtype": "float32",
 }
 
 
@@ -84,7 +84,7 @@ def build(name: str, folder: str, seed: int = 0) -> str:
     config = _config(name)
     tf.utils.logging.disable_progress_bar()  # one line per model, not a bar per shard
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(path)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"do_sample": False}, f)
