@@ -37,3 +37,7 @@ def test_the_second_process_loads_fxsplits_artifact_instead_of_compiling(tmp_pat
     assert (second["aot_compiles"], second["aot_loaded"], second["graphs"]) == (0, 1, 1)
     assert second["tokens"] == first["tokens"]
     assert second["replays"] > 0
+    # read from vLLM under AOT compile too: only attention eager under v2 (the size inputs
+    # keep the rotary captured)
+    for run in (first, second):
+        assert run["eager_reasons"] == ["preset:engine_attention", "region:attention"], run

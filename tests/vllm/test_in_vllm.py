@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 
 vllm = pytest.importorskip("vllm")
 
@@ -35,7 +36,9 @@ def _piece_of_each_node(backend):
 def _vllm_eager_ops(runner: str) -> set[str]:
     """vLLM's default eager ops the runner must run eagerly (the KV-cache writes are captured
     by a runner keeping the slot mapping in persistent buffers)."""
-    found = eager_op_presets(vllm.config.CompilationConfig())
+    from vllm.config import CompilationConfig
+
+    found = eager_op_presets(CompilationConfig())
     keep = {"engine_attention", "engine_sparse_indexer"}
     if runner == "v1":
         keep.add("engine_kv_cache_update")
@@ -85,3 +88,16 @@ def test_the_v2_plan_captures_the_rotary_and_v1_runs_it_eagerly():
     v1 = engine.run("llama", "v1").backend
     assert _rotary_pieces(v1) == {"eager"}
     assert any("preset:rotary_embedding" in p.reasons for p in v1.plans[0].eager)
+
+
+def test_the_built_in_fallback_names_are_vllms_own():
+    import vllm.model_executor.layers.attention.attention  # noqa: F401 (registers the ops)
+    from vllm.config import CompilationConfig
+
+    from fxsplit import presets
+
+    vllms = CompilationConfig._attention_ops
+    assert sorted({*presets.VLLM_ATTENTION_OPS, *presets.VLLM_INDEXER_OPS}) == sorted(vllms)
+    for name in presets.VLLM_KV_CACHE_UPDATE_OPS:  # registered by vLLM's attention layers
+        namespace, _, op = name.partition("::")
+        assert hasattr(getattr(torch.ops, namespace), op), name
