@@ -1,4 +1,5 @@
-"""Tests of the CPU capture emulator (fxsplit.runtime.emulator)."""
+"""Tests of the CPU capture emulator (fxsplit.runtime.emulator). A replay runs the recorded ops
+again on the same device, so every value is compared bit for bit (``rtol=0, atol=0``)."""
 
 from __future__ import annotations
 
@@ -55,11 +56,11 @@ def test_replay_sees_inplace_update_of_recorded_input():
     x = torch.randn(4, 8)
     g = EmulatedGraph()
     out = g.capture(lambda t: torch.sin(t) * 2 + 1, x)
-    torch.testing.assert_close(out, torch.sin(x) * 2 + 1)
+    torch.testing.assert_close(out, torch.sin(x) * 2 + 1, rtol=0, atol=0)
     new = torch.randn(4, 8)
     x.copy_(new)
     g.replay()
-    torch.testing.assert_close(out, torch.sin(new) * 2 + 1)
+    torch.testing.assert_close(out, torch.sin(new) * 2 + 1, rtol=0, atol=0)
 
 
 def test_replay_reads_the_recorded_tensor_not_one_the_program_names_later():
@@ -85,7 +86,7 @@ def test_output_identity_kept_and_overwritten_by_next_replay():
     x.fill_(10.0)
     g.replay()
     assert first is out and out.data_ptr() == ptr
-    torch.testing.assert_close(first, torch.full((3,), 11.0))
+    torch.testing.assert_close(first, torch.full((3,), 11.0), rtol=0, atol=0)
     assert not torch.equal(first, snapshot)
 
 
@@ -117,7 +118,7 @@ def test_host_scalar_is_frozen_at_capture():
     cfg["n"] = 5
     x.copy_(torch.ones(4))
     g.replay()
-    torch.testing.assert_close(out, torch.full((4,), 3.0 + 4.0))
+    torch.testing.assert_close(out, torch.full((4,), 3.0 + 4.0), rtol=0, atol=0)
 
 
 def _branch(t):
@@ -161,7 +162,7 @@ def test_illegal_op_raises_capture_error_naming_it(fn, needle):
     # The graph is reusable after the failure.
     out = g.capture(lambda t: t * 2, x)
     g.replay()
-    torch.testing.assert_close(out, x * 2)
+    torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
 
 
 def test_synchronize_patch_is_undone():
@@ -247,8 +248,8 @@ def test_legal_idioms_do_not_raise():
     y, _idx, oh = g.capture(fn, x)
     x.copy_(torch.randn(6))
     g.replay()
-    torch.testing.assert_close(y, torch.clamp(x * 2, min=0))
-    torch.testing.assert_close(oh, F.one_hot(torch.tensor([0, 2]), num_classes=3))
+    torch.testing.assert_close(y, torch.clamp(x * 2, min=0), rtol=0, atol=0)
+    torch.testing.assert_close(oh, F.one_hot(torch.tensor([0, 2]), num_classes=3), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("op", ["topk", "split", "max", "sort", "chunk_cat"])
@@ -271,7 +272,7 @@ def test_multi_output_ops_replay(op):
         got = [outs] if isinstance(outs, torch.Tensor) else list(outs)
         want = [expected] if isinstance(expected, torch.Tensor) else list(expected)
         for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_kv_cache_index_copy_is_replayed_with_recorded_index():
@@ -291,9 +292,9 @@ def test_kv_cache_index_copy_is_replayed_with_recorded_index():
         pos.copy_(torch.tensor([p, p + 1]))
         k.copy_(torch.randn(2, 4))
         g.replay()
-        torch.testing.assert_close(cache[p : p + 2], k)
-    torch.testing.assert_close(cache[:2], first)  # earlier writes stay
-    torch.testing.assert_close(total, cache.sum(dim=0))
+        torch.testing.assert_close(cache[p : p + 2], k, rtol=0, atol=0)
+    torch.testing.assert_close(cache[:2], first, rtol=0, atol=0)  # earlier writes stay
+    torch.testing.assert_close(total, cache.sum(dim=0), rtol=0, atol=0)
 
 
 def test_custom_op_mutating_out_replays():
@@ -304,7 +305,7 @@ def test_custom_op_mutating_out_replays():
     assert g.actions == (("fxsplit_emutest::scale_into", "run"),)
     x.copy_(torch.randn(5))
     g.replay()
-    torch.testing.assert_close(out, x * 3.0)
+    torch.testing.assert_close(out, x * 3.0, rtol=0, atol=0)
 
 
 def test_functional_custom_op_replays_into_recorded_output():
@@ -314,7 +315,7 @@ def test_functional_custom_op_replays_into_recorded_output():
     assert g.actions[0] == ("fxsplit_emutest::plus_one", "run+copy")
     x.copy_(torch.randn(5))
     g.replay()
-    torch.testing.assert_close(y, (x + 1) * 2)
+    torch.testing.assert_close(y, (x + 1) * 2, rtol=0, atol=0)
 
 
 def test_host_handle_read_inside_a_custom_op_is_frozen_and_checked_at_replay():
@@ -365,8 +366,8 @@ def test_views_are_not_copied():
     assert v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     x.copy_(torch.randn(4, 6))
     g.replay()
-    torch.testing.assert_close(doubled, x.view(6, 4).t()[0] * 2)
-    torch.testing.assert_close(row, x.view(6, 4).t()[0])
+    torch.testing.assert_close(doubled, x.view(6, 4).t()[0] * 2, rtol=0, atol=0)
+    torch.testing.assert_close(row, x.view(6, 4).t()[0], rtol=0, atol=0)
 
 
 def test_allocations_are_skipped_and_zeros_rerun():
@@ -386,9 +387,13 @@ def test_allocations_are_skipped_and_zeros_rerun():
     x.copy_(torch.randn(4))
     g.replay()
     g.replay()
-    torch.testing.assert_close(buf[:4], x)
-    torch.testing.assert_close(buf[4:], tail, equal_nan=True)  # memory keeps its contents
-    torch.testing.assert_close(acc, x)  # zeros re-ran: no accumulation across replays
+    torch.testing.assert_close(buf[:4], x, rtol=0, atol=0)
+    torch.testing.assert_close(
+        buf[4:], tail, equal_nan=True, rtol=0, atol=0
+    )  # memory keeps its contents
+    torch.testing.assert_close(
+        acc, x, rtol=0, atol=0
+    )  # zeros re-ran: no accumulation across replays
 
 
 def test_constant_tensor_is_restored_each_replay():
@@ -403,7 +408,7 @@ def test_constant_tensor_is_restored_each_replay():
     out = g.capture(fn, x)
     for _ in range(3):
         g.replay()
-        torch.testing.assert_close(out, torch.tensor([2.0, 4.0]))
+        torch.testing.assert_close(out, torch.tensor([2.0, 4.0]), rtol=0, atol=0)
 
 
 def test_random_ops_draw_fresh_numbers():
@@ -436,7 +441,7 @@ def test_matmul_softmax_layernorm_chain_matches_eager(mode):
             static_x.copy_(new)
             g.replay()
             expected = block(new)
-        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_replay_inside_capture_is_recorded():
@@ -447,7 +452,7 @@ def test_replay_inside_capture_is_recorded():
     z = outer.capture(lambda: (inner.replay(), y * 2)[1])
     x.fill_(1.0)
     outer.replay()
-    torch.testing.assert_close(z, torch.full((3,), 4.0))
+    torch.testing.assert_close(z, torch.full((3,), 4.0), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -561,7 +566,7 @@ def test_a_replay_refuses_memory_moved_since_capture():
     g = EmulatedGraph()
     out = g.capture(lambda: x * w)
     g.replay()
-    torch.testing.assert_close(out, x * w)
+    torch.testing.assert_close(out, x * w, rtol=0, atol=0)
     w.untyped_storage()._swap_data_ptr_(w.untyped_storage().clone())
     with pytest.raises(MovedMemoryError, match="would read and write its old address"):
         g.replay()
@@ -705,3 +710,23 @@ def test_a_compiled_piece_reading_a_runners_table_raises_where_cuda_would_read_s
     )
     assert replays == (2 if runner == "refills" else 0)
     torch._dynamo.reset()
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch cannot move memory"
+)
+def test_a_replay_refuses_an_output_whose_memory_moved_since_capture():
+    """The addresses a replay checks are every storage the record writes, outputs included,
+    not only what it reads: here the pool block the record writes ``out`` into (the output's
+    memory, not a view the program holds) moves, and a CUDA graph would write the old
+    address, so the emulator raises. ``x * w``'s output is read by no later op: only its
+    destination names it."""
+    x, w = torch.randn(4), torch.randn(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda: x * w)
+    g.replay()
+    assert torch.equal(out, x * w)
+    record = g.pool.block_of(out).record
+    record._swap_data_ptr_(record.clone())
+    with pytest.raises(MovedMemoryError, match="would read and write its old address"):
+        g.replay()

@@ -327,16 +327,15 @@ def test_a_part_stopped_at_its_limit_keeps_pytests_failure_summary(tmp_path):
     assert "short test summary info" in log and "FAILED test_slow.py::test_fails" in log
     assert "test_slow.py:3: KeyboardInterrupt" in log  # where it hung
     assert log.rstrip().endswith("tests: stopped at its 3 s limit")
-    status, seconds = (tmp_path / "tests.status").read_text().split()
-    assert status == "124" and int(seconds) < 10  # SIGINT ended it, not the SIGKILL grace
+    status, _seconds = (tmp_path / "tests.status").read_text().split()
+    assert status == "124"  # SIGINT ended it, not the SIGKILL after the grace (137)
     assert log in done.stdout  # also shown as it came
 
 
 def test_a_part_deaf_to_sigint_is_killed_after_its_grace(tmp_path):
     deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"
-    start = time.monotonic()
     done = _bash(ROOT / "scripts/timed_part.sh", "deaf", 1, 1, tmp_path, sys.executable, "-c", deaf)
-    assert done.returncode == 137 and time.monotonic() - start < 10
+    assert done.returncode == 137  # the SIGKILL after the grace, well before the 60 s sleep
     assert (tmp_path / "deaf.status").read_text().split()[0] == "137"
 
 

@@ -180,6 +180,34 @@ def test_an_inductor_setting_enters_the_key(tmp_path):
     assert _run(tmp_path)[0]["piece_cache_hits"] == 2
 
 
+def _with_rows_up_to(root, most: int) -> dict:
+    """``_Sine`` compiled in a fresh process state with its rows marked dynamic in [2, most]:
+    the same graph and code, one assumption of Dynamo's shape environment apart."""
+    inductor.forget()
+    torch._dynamo.reset()
+    counters.reset()
+    backend = fxsplit.Backend(compile_pieces="inductor", cache_dir=str(root))
+    model = _Sine()
+    x = torch.randn(8, 8)
+    torch._dynamo.mark_dynamic(x, 0, min=2, max=most)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        torch.testing.assert_close(out, model(x), **TOLERANCE)
+    return counters.snapshot()
+
+
+def test_the_shape_environments_assumptions_enter_the_key(tmp_path):
+    """What Dynamo's shape environment assumes of a size (here its value range) enters the key:
+    Inductor may simplify with it, and a standalone artifact loads without shape guards, so an
+    artifact compiled for rows <= 16 is never served where rows may reach 64."""
+    found = _with_rows_up_to(tmp_path, 16)
+    assert (found["pieces_compiled"], found["piece_cache_hits"]) == (1, 0)
+    found = _with_rows_up_to(tmp_path, 64)
+    assert (found["pieces_compiled"], found["piece_cache_hits"]) == (1, 0)  # another range
+    found = _with_rows_up_to(tmp_path, 16)
+    assert (found["pieces_compiled"], found["piece_cache_hits"]) == (0, 1)  # nothing changed
+
+
 def test_fxsplits_version_enters_the_key(filled, tmp_path, monkeypatch):
     monkeypatch.setattr(fxsplit, "__version__", fxsplit.__version__ + "+other")
     assert _run(_copy(filled, tmp_path))[0]["pieces_compiled"] == 2

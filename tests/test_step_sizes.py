@@ -87,7 +87,13 @@ def test_growing_cache_runs_eagerly_and_the_rest_replays_every_step(runner):
     assert sum(c["calls"] for c in late) > 0
     assert all(c["replays"] == c["calls"] for c in late), calls
     plan = _dynamic_plan(backend)
-    assert _reasons(plan) == {"dynamic:cache.keys.size(1)"}
+    # the cache's length makes the work over it eager; its matmul + softmax + matmul is
+    # attention too, found by its shape
+    assert _reasons(plan) == {
+        "dynamic:cache.keys.size(1)",
+        "preset:eager_attention",
+        "region:attention",
+    }
     assert [p.kind for p in plan.pieces] == ["captured", "eager", "captured"], plan.format()
     # the cache is an input of the eager piece only: never copied into fxsplit's buffers
     for runtime in backend.runtimes:
@@ -245,7 +251,10 @@ def test_watch_stays_silent_where_pieces_replay():
     backend = fxsplit.Backend(capture="emulate")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _decode(torch.compile(Decoder().eval(), backend=backend))
+        _, calls = _decode(torch.compile(Decoder().eval(), backend=backend))
+    late = calls[REPLAYS_FROM:]
+    assert sum(c["calls"] for c in late) > 0
+    assert all(c["replays"] == c["calls"] for c in late), calls  # silent because they replay
     assert replay_watch.summary("g", {"p": {"k": {"replays": 3, "captures": 1}}}) == (
         "fxsplit g: 1 captured piece, 4 calls: 3 replays (75 %), 1 capture, 0 uncaptured runs"
     )
@@ -325,6 +334,12 @@ def test_watch_stays_silent_over_a_warm_up_of_the_capture_sizes():
         for _ in range(2):
             for size in CAPTURE_SIZES:
                 compiled(torch.randn(size, 8))
+        # a third round replays every size: the warm-up and capture rounds were that, no churn
+        before = counters.snapshot()["replays"]
+        for size in CAPTURE_SIZES:
+            x = torch.randn(size, 8)
+            assert torch.equal(compiled(x), model(x)), size
+    assert counters.snapshot()["replays"] - before == len(CAPTURE_SIZES)
 
 
 def test_watch_still_warns_after_sizes_captured_up_front():
@@ -336,6 +351,7 @@ def test_watch_still_warns_after_sizes_captured_up_front():
         warnings.simplefilter("always")
         backend.capture(compiled, {n: (x, n) for n in range(100, 100 + replay_watch.NEW_KEYS)})
         assert not [w for w in seen if "new capture key" in str(w.message)]
+        assert counters.snapshot()["captures"] == replay_watch.NEW_KEYS  # one per key met
         for n in range(2, 2 + replay_watch.NEW_KEYS):
             compiled(x, n)
     mine = [str(w.message) for w in seen if "new capture key" in str(w.message)]

@@ -16,8 +16,11 @@ graphs) are always fxsplit's to copy, never a reason to refuse.
 
 Input kinds (:attr:`InputSpec.kind`), known at split time:
 
-- ``PARAM``: a parameter, buffer or ``mark_static_address`` tensor (Dynamo's static inputs). Never
+- ``PARAM``: a parameter or buffer (Dynamo's static inputs reached through a module). Never
   copied; its address is checked once per step and a move recaptures.
+- ``STATIC``: a ``mark_static_address`` tensor the caller hands in as an argument (a KV cache):
+  never copied; its address is part of the capture key, so one function called with each
+  layer's cache captures a graph per cache, each bound to its cache's address.
 - ``RUNNER``: a tensor the caller hands in each call.
 - ``INTERNAL``: a value the caller never handed in: an earlier piece's output, or a tensor
   argument of a frame Dynamo resumed after a graph break other than a parameter or buffer (its
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-PARAM, RUNNER, INTERNAL, HOST = "param", "runner", "internal", "host"
+PARAM, STATIC, RUNNER, INTERNAL, HOST = "param", "static", "runner", "internal", "host"
 
 # Dynamo's name for a value on the Python stack at a graph break, handed to the resumed frame.
 _STACK_SOURCE = re.compile(r"^L\['___stack\d+'\]$")
@@ -98,6 +101,26 @@ def is_static_input(node: Node) -> bool:
     return isinstance(example, torch.nn.Parameter)
 
 
+def is_static_argument(node: Node) -> bool:
+    """Whether a placeholder is a ``mark_static_address`` tensor the caller handed in as an
+    argument of the frame (``L['cache']``, ``L['caches'][0]``): a static input that is no
+    parameter and is reached through no attribute (a module's buffer is) nor Dynamo's stack at
+    a graph break."""
+    from torch._dynamo.source import AttrSource, LocalSource
+
+    if not is_static_input(node):
+        return False
+    grapharg = node.meta.get("grapharg")
+    if isinstance(getattr(grapharg, "example", None), torch.nn.Parameter):
+        return False
+    source = getattr(grapharg, "source", None)
+    while source is not None and not isinstance(source, LocalSource):
+        if isinstance(source, AttrSource):
+            return False
+        source = getattr(source, "base", None)
+    return source is not None and not source.local_name.startswith("___")
+
+
 def bind(spec: InputSpec, binding: str, produced: bool) -> Bind:
     """How to bind a tensor input at capture.
 
@@ -109,6 +132,8 @@ def bind(spec: InputSpec, binding: str, produced: bool) -> Bind:
     """
     if spec.kind == PARAM:
         return Bind.FROZEN
+    if spec.kind == STATIC:
+        return Bind.ADDRESS
     if spec.kind == HOST:
         return Bind.HOST
     if spec.kind == RUNNER and not produced:
@@ -136,9 +161,14 @@ def moved_error(where: str, name: str, source: str, now: int, was: int, reads: s
     )
 
 
+#: :func:`key_reads`' mark for the address of a ``STATIC`` input.
+ADDRESS_READ = -2
+
+
 def key_reads(specs: list[InputSpec], inputs: list[Node]) -> tuple[tuple[int, int | None], ...]:
     """What a capture key reads: ``(i, None)`` for a host value, ``(i, d)`` for dim ``d`` of
-    tensor input ``i``, one per distinct symbolic size expression.
+    tensor input ``i``, one per distinct symbolic size expression, ``(i, ADDRESS_READ)`` for
+    the address of a ``STATIC`` input (a graph per marked cache).
 
     Every dynamic dim of every tensor input is one of these expressions, so equal keys mean equal
     input shapes; reading each expression once keeps the key short (usually one int: the token
@@ -150,6 +180,8 @@ def key_reads(specs: list[InputSpec], inputs: list[Node]) -> tuple[tuple[int, in
         if spec.kind == HOST:
             reads.append((i, None))
             continue
+        if spec.kind == STATIC:
+            reads.append((i, ADDRESS_READ))
         value = node.meta.get("example_value")
         if not isinstance(value, torch.Tensor):
             if spec.symbolic:
@@ -197,6 +229,8 @@ def classify(
                 kind = HOST
             elif node.name in volatile:
                 kind = INTERNAL
+            elif is_static_argument(node):
+                kind = STATIC
             elif is_static_input(node):  # also on Dynamo's stack at a break (an argument)
                 kind = PARAM
             else:
