@@ -26,7 +26,13 @@ from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
 from fxsplit.runtime import replay_watch
 from fxsplit.runtime.binding import is_static_input
-from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime, size_input_index
+from fxsplit.runtime.graph_runtime import (
+    CaptureSession,
+    Frame,
+    GraphRuntime,
+    size_input_index,
+    size_input_indices,
+)
 from fxsplit.tools import dump
 
 log = logging.getLogger("fxsplit")
@@ -470,13 +476,14 @@ def _precompiled_frame() -> Frame | None:
 
 
 def _size_input(gm: GraphModule, example_inputs, frame: Frame | None, config: Config):
-    """Index of the graph input whose sizes are the token count (as the runtime finds it)."""
+    """Indices of the graph inputs whose leading dim is the token count, the one the runtime
+    reads ``capture_sizes`` from first."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if len(placeholders) != len(example_inputs):
-        return None
+        return ()
     params = [i for i, n in enumerate(placeholders) if is_static_input(n)]
     names = frame.arg_names if frame is not None else None
-    return size_input_index(
+    return size_input_indices(
         placeholders, example_inputs, params, names, config.size_input, warn=False
     )
 

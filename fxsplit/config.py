@@ -40,8 +40,12 @@ class Config:
         capture_sizes: token counts to capture: the leading dim of the first tensor argument
             of ``forward``, in its signature's order (or of ``size_input``); None captures
             every key seen, up to ``max_captured_keys``.
-        size_input: name of the ``forward`` argument whose leading dim ``capture_sizes`` means,
-            for models whose first tensor argument is not the token count.
+        size_input: names of the ``forward`` arguments whose leading dim is the token count
+            (a str or a list; held as a tuple): the first one present is the one
+            ``capture_sizes`` reads, for models whose first tensor argument is not the token
+            count; the leading dims of the others are the token count too, so work that follows
+            them is never taken for per-step work (vLLM hands ``input_ids`` and ``positions``,
+            each with a symbol of its own).
         max_captured_keys: capture keys captured per graph when ``capture_sizes`` is None.
         warmup_runs: uncaptured runs per capture key before it is captured.
         input_binding: what a runner input whose address changed since capture gets: ``"copy"``,
@@ -72,7 +76,7 @@ class Config:
     presets: bool | tuple[Preset, ...] = True
     capture: str = "auto"
     capture_sizes: tuple[int, ...] | None = None
-    size_input: str | None = None
+    size_input: tuple[str, ...] | None = None
     max_captured_keys: int = 64
     warmup_runs: int = 1
     input_binding: str | None = None
@@ -259,12 +263,24 @@ def _capture_sizes(key: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _identifier(key: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise _type_error(key, value, "an argument name (str)")
-    if not value.isidentifier():
-        raise ValueError(f"fxsplit option {key}={value!r} is not a Python argument name")
-    return value
+def _argument_names(key: str, value: Any) -> tuple[str, ...]:
+    """One argument name or a non-empty list of distinct ones, as a tuple."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list | tuple):
+        raise _type_error(key, value, "an argument name (str) or a list of them")
+    if not names:
+        raise ValueError(f"fxsplit option {key}=[] names no argument; pass None or a name")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"fxsplit option {key} holds {name!r}; every entry must be an argument name (str)"
+            )
+        if not name.isidentifier():
+            raise ValueError(f"fxsplit option {key} holds {name!r}, not a Python argument name")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"fxsplit option {key} names {repeated[0]!r} twice; names must be unique")
+    return tuple(names)
 
 
 def _folder(key: str, value: Any) -> str:
@@ -282,7 +298,7 @@ _VALIDATORS = {
     "presets": presets.from_option,
     "capture": _choice(CAPTURE_MODES),
     "capture_sizes": _optional(_capture_sizes),
-    "size_input": _optional(_identifier),
+    "size_input": _optional(_argument_names),
     "max_captured_keys": _positive_int,
     "warmup_runs": lambda k, v: _positive_int(k, v, minimum=0),
     "input_binding": _optional(_choice(INPUT_BINDINGS)),

@@ -207,6 +207,15 @@ class Precompiled(SerializableCallable):
     def __call__(self, *args):
         return self.forward(*args)
 
+    def finalize_loading(self, *args, **kwargs) -> None:
+        """Load now the compiled pieces of this process that wait for their second call,
+        this graph's among them (:func:`fxsplit.passes.inductor.load_deferred`). Engines call
+        it once a precompiled function is loaded (vLLM's AOT compile cache calls
+        ``finalize_loading(vllm_config)``); the arguments are the engine's and are not read."""
+        from fxsplit.passes import inductor
+
+        inductor.load_deferred()
+
     @classmethod
     def serialize_compile_artifacts(cls, fn: Precompiled) -> bytes:
         buffer = io.BytesIO()

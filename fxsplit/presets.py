@@ -38,6 +38,11 @@ class Preset:
         ops: op names ``"ns::op"`` or ``"ns::op.overload"`` (as ``splitting_ops`` takes them).
         modules: module class names, class-name globs (``"*RotaryEmbedding"``) or module-path
             globs (as ``module_regions`` takes them).
+        methods: ``"Class.method"`` names: a node matches when a module of class ``Class``
+            encloses it (``nn_module_stack``) and a frame of a function named ``method`` is on
+            the stack Dynamo recorded for it (``stack_trace``): code a model keeps in one
+            method without a module of its own (vLLM's DeepSeek-V4 attention input
+            preparation, ``DeepseekV4Attention._prepare_and_attn``).
 
     Raises:
         TypeError / ValueError: a field of the wrong type, an empty name, or a malformed op name.
@@ -47,6 +52,7 @@ class Preset:
     region: str
     ops: tuple[str, ...] = ()
     modules: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         from fxsplit.passes.ops import parse_op_name
@@ -55,7 +61,7 @@ class Preset:
             value = getattr(self, field_name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"Preset {field_name} must be a non-empty str, got {value!r}")
-        for field_name in ("ops", "modules"):
+        for field_name in ("ops", "modules", "methods"):
             value = getattr(self, field_name)
             if isinstance(value, str) or not isinstance(value, Iterable):
                 raise TypeError(
@@ -71,6 +77,12 @@ class Preset:
             object.__setattr__(self, field_name, value)
         for name in self.ops:
             parse_op_name(name)
+        for name in self.methods:
+            owner, _, method = name.rpartition(".")
+            if not owner or not method.isidentifier():
+                raise ValueError(
+                    f"Preset {self.name!r}: methods holds {name!r}; entries are 'Class.method'"
+                )
 
 
 def _sdpa_ops() -> tuple[str, ...]:
@@ -95,17 +107,51 @@ _FLASH_ATTN_OPS = (
     "flash_attn::_flash_attn_forward",
     "flash_attn::_flash_attn_varlen_forward",
 )
-_ENGINE_OPS = (
-    "vllm::unified_attention",
+# vLLM's ops are its own list when vLLM compiles through fxsplit (fxsplit.vllm reads it from
+# vLLM); these are that list as vLLM 0.32 declares it (CompilationConfig._attention_ops), kept
+# for graphs traced outside vLLM's compile path, a documented exception to reading op facts from
+# their owner. Attention, linear attention and state-space ops read per-step metadata from
+# vLLM's forward context, not from their arguments: eager under every runner.
+VLLM_ATTENTION_OPS = (
     "vllm::unified_attention_with_output",
-    "vllm::unified_mla_attention",
     "vllm::unified_mla_attention_with_output",
+    "vllm::mamba_mixer2",
+    "vllm::mamba_mixer",
+    "vllm::short_conv",
+    "vllm::qwen4_exp_ple_short_conv",
+    "vllm::qwen4_exp_qsa_with_output",
+    "vllm::qwen4_exp_qsa_prepare_with_output",
+    "vllm::linear_attention",
+    "vllm::qwen_gdn_attention_core",
+    "vllm::qwen_gdn_attention_core_fused_norm_packed",
+    "vllm::gdn_attention_core_xpu",
+    "vllm::olmo_hybrid_gdn_full_forward",
+    "vllm::deepseek_v4_attention",
+    "vllm::hpc_rope_norm_forward",
+)
+# vLLM's sparse indexers: top-k over the cached keys (eager under every runner).
+VLLM_INDEXER_OPS = ("vllm::sparse_attn_indexer", "vllm::rocm_aiter_sparse_attn_indexer")
+# The KV-cache writes vLLM adds to its default splitting_ops (in code, not in a list it
+# exposes). They write at the slot mapping of the step, read from the forward context: under a
+# runner that rebuilds that metadata each step (v1) a replay would write where the capture's
+# step did, so they are attention input preparation, captured only by a runner keeping it in
+# persistent buffers (v2).
+VLLM_KV_CACHE_UPDATE_OPS = ("vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update")
+ENGINE_OPS = (
+    *VLLM_ATTENTION_OPS,
     "sglang::unified_attention_with_output",
     "trtllm::attn_custom_op_inplace",
     "trtllm::mla_custom_op_inplace",
 )
-# Sparse top-k indexers of DeepSeek sparse attention, as transformers names their modules.
-_INDEXERS = ("DeepseekV32Indexer", "DeepseekV4Indexer")
+# Sparse top-k indexers of DeepSeek sparse attention, as transformers and vLLM name their
+# modules (vLLM's DeepseekV4Indexer prepares the indexer's queries; its SparseAttnIndexer scores
+# and picks the top-k).
+_INDEXERS = ("DeepseekV32Indexer", "DeepseekV4Indexer", "SparseAttnIndexer")
+# vLLM's DeepSeek-V4 attention keeps its input preparation (query rotary, KV-cache insert, the
+# indexer's and the compressor's inputs) in one method, which it runs eagerly under its V1
+# model runner (``_prepare_and_attn_eager`` wraps it) and captures under V2; it has no module
+# or op of its own to match.
+_ATTN_PREP_METHODS = ("DeepseekV4Attention._prepare_and_attn",)
 
 
 #: Attention written as ops (matmul, softmax, matmul), which no op or module name marks: found
@@ -121,8 +167,11 @@ def defaults() -> tuple[Preset, ...]:
         EAGER_ATTENTION,
         Preset("flex_attention", ATTENTION, ops=_flex_ops()),
         Preset("flash_attn", ATTENTION, ops=_FLASH_ATTN_OPS),
-        Preset("engine_attention", ATTENTION, ops=_ENGINE_OPS),
+        Preset("engine_attention", ATTENTION, ops=ENGINE_OPS),
+        Preset("engine_kv_cache_update", ATTN_PREP, ops=VLLM_KV_CACHE_UPDATE_OPS),
+        Preset("engine_sparse_indexer", SPARSE_INDEXER, ops=VLLM_INDEXER_OPS),
         Preset("rotary_embedding", ATTN_PREP, modules=("*RotaryEmbedding",)),
+        Preset("engine_attn_prep", ATTN_PREP, methods=_ATTN_PREP_METHODS),
         Preset("sparse_indexer", SPARSE_INDEXER, modules=_INDEXERS),
     )
 
@@ -141,7 +190,7 @@ def resolve(value: bool | tuple[Preset, ...]) -> tuple[Preset, ...]:
 
 def from_option(key: str, value: object) -> bool | tuple[Preset, ...]:
     """Validate a ``presets`` option: a bool, a :class:`Preset`, a list of them, or a dict
-    ``{name: Preset or {"region": ..., "ops": [...], "modules": [...]}}``.
+    ``{name: Preset or {"region": ..., "ops": [...], "modules": [...], "methods": [...]}}``.
 
     Raises:
         TypeError: another type, naming the key and what is allowed.
@@ -172,13 +221,19 @@ def _from_entry(key: str, name: object, entry: object) -> Preset:
     if not isinstance(entry, Mapping):
         raise TypeError(
             f"fxsplit option {key}[{name!r}]={entry!r}; expected a Preset or a dict with "
-            "'region' and 'ops' and/or 'modules'"
+            "'region' and 'ops', 'modules' and/or 'methods'"
         )
-    unknown = sorted(set(entry) - {"region", "ops", "modules"})
+    unknown = sorted(set(entry) - {"region", "ops", "modules", "methods"})
     if unknown or "region" not in entry:
         what = f"unknown key {unknown[0]!r}" if unknown else "no 'region'"
         raise ValueError(
             f"fxsplit option {key}[{name!r}] has {what}; keys: 'region' (required), 'ops', "
-            "'modules'"
+            "'modules', 'methods'"
         )
-    return Preset(name, entry["region"], entry.get("ops", ()), entry.get("modules", ()))
+    return Preset(
+        name,
+        entry["region"],
+        entry.get("ops", ()),
+        entry.get("modules", ()),
+        entry.get("methods", ()),
+    )

@@ -73,7 +73,7 @@ V2_ARCHITECTURES = frozenset(
     }
 )
 # A performance default on ROCm, not a correctness rule: both runners are correct there.
-_V1_ON_ROCM = frozenset({"DeepseekV4ForCausalLM"})
+V1_ON_ROCM = frozenset({"DeepseekV4ForCausalLM"})
 
 
 def register(runner: Runner, *, replace: bool = False) -> Runner:
@@ -147,6 +147,6 @@ def default_runner(architecture: str, platform: str | None = None) -> str:
         raise ValueError(
             f"unknown platform {platform!r}; expected one of {', '.join(platforms.PLATFORMS)}"
         )
-    if platform == "rocm" and architecture in _V1_ON_ROCM:
+    if platform == "rocm" and architecture in V1_ON_ROCM:
         return "v1"
     return "v2" if architecture in V2_ARCHITECTURES else "v1"

@@ -351,3 +351,30 @@ def test_matched_patterns_do_not_warn():
     (eager,) = backend.plans[0].eager
     assert eager.reasons == ("module:lin", "op:aten::topk")
     assert eager.regions == frozenset({"r"})
+
+
+@pytest.mark.parametrize(
+    ("value", "held"),
+    [
+        ("tokens", ("tokens",)),
+        (["input_ids", "positions"], ("input_ids", "positions")),
+        (None, None),
+    ],
+)
+def test_size_input_takes_a_name_or_a_list_of_names(value, held):
+    assert Config.from_options({"size_input": value}).size_input == held
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "needle"),
+    [
+        ([], ValueError, "names no argument"),
+        (["ids", "ids"], ValueError, "'ids' twice"),
+        (["ids", "not a name"], ValueError, "'not a name', not a Python argument name"),
+        (["ids", 3], TypeError, "holds 3"),
+        (3, TypeError, "an argument name"),
+    ],
+)
+def test_bad_size_input_names_the_value(value, error, needle):
+    with pytest.raises(error, match=re.escape(needle)):
+        Config.from_options({"size_input": value})

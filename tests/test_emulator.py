@@ -15,6 +15,7 @@ from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.emulator import (
     CaptureError,
     EmulatedGraph,
+    HostValueChangedError,
     MovedMemoryError,
     StateMovedError,
     call_opaque,
@@ -35,6 +36,12 @@ def _plus_one(x: torch.Tensor) -> torch.Tensor:
 def _syncs_inside(x: torch.Tensor) -> torch.Tensor:
     n = int(x.sum().item() > 0)
     return x + n
+
+
+@torch.library.custom_op("fxsplit_emutest::scaled_by_handle", mutates_args=())
+def _scaled_by_handle(x: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+    """A kernel reading a host handle, as vLLM's CPU linear reads its oneDNN handler."""
+    return x * handle.item()
 
 
 def _grad_ctx(mode: str):
@@ -309,6 +316,36 @@ def test_functional_custom_op_replays_into_recorded_output():
     x.copy_(torch.randn(5))
     g.replay()
     torch.testing.assert_close(y, (x + 1) * 2, rtol=0, atol=0)
+
+
+def test_host_handle_read_inside_a_custom_op_is_frozen_and_checked_at_replay():
+    x = torch.randn(5)
+    handle = torch.tensor(3)  # a 0-dim int64 CPU tensor the capture did not make
+    g = EmulatedGraph()
+    y = g.capture(lambda t: _scaled_by_handle(t, handle) + 1, x)
+    x.copy_(torch.randn(5))
+    g.replay()
+    torch.testing.assert_close(y, x * 3 + 1)
+    handle.fill_(4)
+    with pytest.raises(HostValueChangedError, match=r"read as 3 at capture .* now holds 4"):
+        g.replay()
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda t: (t.sum() > 0).long(), "made by the capture"),
+        (lambda t: torch.tensor(3.0).expand(()), "a float"),
+        (lambda t: torch.tensor([3]), "not 0-dim"),
+    ],
+    ids=["made_by_capture", "float", "one_dim"],
+)
+def test_other_tensors_read_inside_a_custom_op_stand_for_device_tensors(make, why):
+    x = torch.randn(5)
+    g = EmulatedGraph()
+    with pytest.raises(CaptureError, match="reads a device value on the host"):
+        g.capture(lambda t: _scaled_by_handle(t, make(t)), x)
+    assert not g.captured, why
 
 
 def test_views_are_not_copied():

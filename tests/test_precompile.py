@@ -248,6 +248,23 @@ def test_a_load_by_another_thread_during_a_first_call_does_not_count_it_as_a_war
     fxsplit.backend.fxsplit_backend.reset()
 
 
+def test_finalize_loading_loads_the_pieces_before_the_first_call(tmp_path):
+    """An engine's finish after loading (vLLM's AOT compile cache calls
+    ``compiled_fn.finalize_loading(vllm_config)`` on what it loaded): the pieces load then, so
+    the first call runs them compiled."""
+    model = Stack(1)
+    loaded = _fresh_load(_aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate"), tmp_path)
+    loaded._artifacts.compiled_fn.finalize_loading(object())
+    assert counters.snapshot()["piece_cache_hits"] == 2
+    (split,) = fxsplit.backend.fxsplit_backend.compiled
+    compiled = [p.forward for p in split.materialised.pieces if hasattr(p.forward, "pending")]
+    assert all(f.pending is None and f.artifact is not None for f in compiled)
+    with torch.no_grad():
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
+    fxsplit.backend.fxsplit_backend.reset()
+
+
 def test_capturing_a_loaded_graph_up_front_loads_its_pieces_first(tmp_path):
     model = Stack(1)
     loaded = _fresh_load(_aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate"), tmp_path)

@@ -150,6 +150,8 @@ def test_class_name_globs_match_module_classes():
         ({"x": Preset("y", "attention")}, ValueError, "named 'y'"),
         ({"x": {"region": "", "ops": []}}, ValueError, "region must be a non-empty str"),
         ({"x": {"region": "attention", "modules": "Foo"}}, TypeError, "list of strings"),
+        ({"x": {"region": "attention", "methods": ["forward"]}}, ValueError, "'Class.method'"),
+        ({"x": {"region": "attention", "methods": ["A.not-a"]}}, ValueError, "holds 'A.not-a'"),
     ],
 )
 def test_bad_presets_raise_naming_the_value(value, error, message):

@@ -577,3 +577,41 @@ def _batch_norm(z, buf):
 @pytest.mark.parametrize("capture", ["off", "emulate"])
 def test_work_writing_a_buffer_never_moves_past_a_reader_of_it(write, capture):
     _equals_eager_step_by_step(WritesThroughOut(write).eval(), capture)
+
+
+class TwoTokenInputs(nn.Module):
+    """An engine's step: token ids and their positions, each marked dynamic on its own (as vLLM
+    marks them), so Dynamo gives the two leading dims a symbol each."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(16, width)
+        self.inv_freq = nn.Buffer(torch.rand(width))
+
+    def forward(self, input_ids, positions):
+        # the rotary's tables over the positions, applied where no shape ties the two counts
+        # (vLLM applies them in a custom op)
+        angles = positions[:, None].float() * self.inv_freq
+        return self.embed(input_ids), angles.cos()
+
+
+def _two_inputs(size_input):
+    model = TwoTokenInputs().eval()
+    backend = fxsplit.Backend(capture="emulate", size_input=size_input)
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for tokens in (3, 4, 3, 4, 3, 4, 3):
+            ids, positions = torch.arange(tokens) % 16, torch.arange(tokens) + 5
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+            for got, want in zip(compiled(ids, positions), model(ids, positions), strict=True):
+                assert torch.equal(got, want)
+    return backend
+
+
+def test_every_named_size_input_is_the_token_count():
+    assert "dynamic:positions.size(0)" in _reasons(_two_inputs(None).plans[0])
+    counters.reset()
+    backend = _two_inputs(["input_ids", "positions"])
+    assert [p.kind for p in backend.plans[0].pieces] == ["captured"]
+    assert counters.snapshot()["replays"] == 3  # 3 and 4 warm up, are captured, then replay

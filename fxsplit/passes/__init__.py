@@ -6,6 +6,7 @@ Each pass is a module with one job; :func:`split` runs them in order on a Dynamo
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ def split(
     runner: str = "v1",
     grad_at_entry: bool = True,
     analyse: bool = False,
-    size_input: int | None = None,
+    size_input: int | Sequence[int] | None = None,
     model_values: bool = False,
 ) -> Split:
     """Split ``gm`` (modified in place by the normalise pass) under ``policy``.
@@ -54,7 +55,9 @@ def split(
         analyse: run the aliasing analysis (:mod:`fxsplit.passes.aliasing`) on every captured
             piece (what capture needs; costs one functionalized fake run of those pieces).
         size_input: index of the placeholder whose sizes are the token count (see
-            :func:`fxsplit.runtime.graph_runtime.size_input_index`); every other size that
+            :func:`fxsplit.runtime.graph_runtime.size_input_index`), or several: the first one's
+            sizes, and the leading dim of the others, are the token count
+            (:func:`~fxsplit.runtime.graph_runtime.size_input_indices`); every other size that
             changes per step runs eagerly (:mod:`fxsplit.passes.step_sizes`).
         model_values: the graph's tensor arguments are the model's own values (a frame Dynamo
             resumed after a graph break, or one called by eager model code): only the size
@@ -66,7 +69,8 @@ def split(
     start = time.perf_counter()
     normalise.normalise(gm.graph)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    tokens = placeholders[size_input] if size_input is not None else None
+    indices = (size_input,) if isinstance(size_input, int) else tuple(size_input or ())
+    tokens = [placeholders[i] for i in indices]
     steps = step_sizes.find(gm.graph, tokens, leading_only=model_values)
     marks = mark.mark(gm.graph, policy, steps.reasons)
     parts = partition.partition(marks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from torch.fx import Graph, Node
@@ -11,9 +12,12 @@ from fxsplit.passes import attention_pattern
 from fxsplit.passes.modules import ModuleMatcher
 from fxsplit.passes.ops import OpMatcher
 
+# A frame of the stack Dynamo records per node: ``File "m.py", line 12, in _prepare_and_attn``.
+_FRAME = re.compile(r'File "[^"]*", line \d+, in (\w+)')
+
 
 class PresetMatcher:
-    """Which presets a node matches, by op and by enclosing module.
+    """Which presets a node matches, by op, by enclosing module and by enclosing method.
 
     Args:
         presets: in matching order; where two presets list the same op name or module pattern,
@@ -23,6 +27,7 @@ class PresetMatcher:
     def __init__(self, presets: Iterable[builtin.Preset]):
         self._by_op: dict[str, builtin.Preset] = {}
         self._by_pattern: dict[str, builtin.Preset] = {}
+        self._by_method: dict[tuple[str, str], builtin.Preset] = {}
         presets = tuple(presets)
         attention = builtin.EAGER_ATTENTION
         self._attention = attention if attention in presets else None
@@ -32,11 +37,16 @@ class PresetMatcher:
                 self._by_op.setdefault(name, preset)
             for pattern in preset.modules:
                 self._by_pattern.setdefault(pattern, preset)
+            for name in preset.methods:
+                owner, _, method = name.rpartition(".")
+                self._by_method.setdefault((owner, method), preset)
         self._ops = OpMatcher(self._by_op)
         self._modules = ModuleMatcher({p: p for p in self._by_pattern})
+        self._owners = ModuleMatcher({owner: owner for owner, _ in self._by_method})
+        self._frames: dict[str, frozenset[str]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._by_op or self._by_pattern or self._attention)
+        return bool(self._by_op or self._by_pattern or self._by_method or self._attention)
 
     def prepare(self, graph: Graph) -> None:
         """Find what the graph-shaped presets match in ``graph`` (attention written as ops:
@@ -46,6 +56,7 @@ class PresetMatcher:
     def set_root(self, cls: type | None) -> None:
         """The compiled module's own class (see :meth:`ModuleMatcher.set_root`)."""
         self._modules.set_root(cls)
+        self._owners.set_root(cls)
 
     def match(self, node: Node, *, ops: bool = True, modules: bool = True) -> list[builtin.Preset]:
         """The presets ``node`` matches: by its op (when ``ops``) and by its enclosing modules
@@ -62,4 +73,23 @@ class PresetMatcher:
                 preset = self._by_pattern[pattern]
                 if preset not in found:
                     found.append(preset)
+        if modules and self._by_method:
+            for preset in self._methods(node):
+                if preset not in found:
+                    found.append(preset)
         return found
+
+    def _methods(self, node: Node) -> list[builtin.Preset]:
+        """Method presets whose class encloses ``node`` and whose method is on its stack."""
+        owners = [owner for owner, _ in self._owners.match(node)]
+        if not owners:
+            return []
+        trace = node.meta.get("stack_trace") or ""
+        frames = self._frames.get(trace)
+        if frames is None:
+            frames = self._frames[trace] = frozenset(_FRAME.findall(trace))
+        return [
+            preset
+            for (owner, method), preset in self._by_method.items()
+            if owner in owners and method in frames
+        ]

@@ -14,7 +14,9 @@ The facts: every node's ``example_value`` carries its sizes as SymInts, and the 
 ``L['kwargs']['cache'].layers[0].keys.size()[2]``). A symbol is a **step size** unless it is
 
 - a size of the size input (the token count, see
-  :func:`fxsplit.runtime.graph_runtime.size_input_index`): what engines pad to capture sizes;
+  :func:`fxsplit.runtime.graph_runtime.size_input_index`), or the leading dim of another input
+  the ``size_input`` option names (an engine's ``positions``, which Dynamo gives a symbol of
+  its own where the engine marks each argument dynamic): what engines pad to capture sizes;
 - or, in a graph traced with ``dynamic=True`` (Dynamo's ``assume_static_by_default`` is off
   while it traces), a size or value of an argument the caller hands in
   (``L['block_table'].size()[1]``):
@@ -41,6 +43,7 @@ them runs eagerly already. Float symbols are left alone too: Dynamo lifts float 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,17 +80,20 @@ class StepSizes:
     every_size: bool = False
 
 
-def find(graph: Graph, size_input: Node | None, leading_only: bool = False) -> StepSizes:
+def find(
+    graph: Graph, size_input: Node | Sequence[Node] | None, leading_only: bool = False
+) -> StepSizes:
     """Find the step sizes of ``graph`` and the nodes that depend on them; drops unused host
     values that depend on one (see the module docstring).
 
     Args:
         graph: a Dynamo graph (nodes carry ``example_value``); a graph without a ShapeEnv (plain
             ``torch.fx``, or no symbolic size) has none.
-        size_input: the placeholder whose sizes are the token count, or None.
-        leading_only: only its leading dim is (the placeholder is a value the model computed,
-            such as hidden states handed to a frame resumed after a graph break, whose other
-            dims may be anything, a mask over the KV length among them).
+        size_input: the placeholder whose sizes are the token count, or several: the first
+            one's sizes and the leading dim of the others; None or empty for none.
+        leading_only: only the first one's leading dim is (the placeholder is a value the
+            model computed, such as hidden states handed to a frame resumed after a graph
+            break, whose other dims may be anything, a mask over the KV length among them).
 
     Returns:
         a :class:`StepSizes`, empty where the graph has no step size.
@@ -96,10 +102,12 @@ def find(graph: Graph, size_input: Node | None, leading_only: bool = False) -> S
     shape_env = _shape_env(graph)
     if shape_env is None:
         return found
+    inputs = [size_input] if isinstance(size_input, Node) else list(size_input or ())
     tokens = set()
-    value = size_input.meta.get("example_value") if size_input is not None else None
-    if isinstance(value, torch.Tensor):
-        tokens = symbols(value.shape[:1] if leading_only else value.shape)
+    for k, node in enumerate(inputs):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            tokens |= symbols(value.shape[:1] if leading_only or k else value.shape)
     found.tokens = frozenset(tokens)
     # Dynamo's setting while it traces this graph: off under torch.compile(dynamic=True)
     every_size = found.every_size = not torch._dynamo.config.assume_static_by_default

@@ -41,7 +41,15 @@ from fxsplit.passes.ops import dispatched_op_name
 from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.storage import storage_ptr
 
-__all__ = ["CaptureError", "EmulatedGraph", "MovedMemoryError", "StateMovedError", "call_opaque"]
+__all__ = [
+    "CaptureError",
+    "EmulatedGraph",
+    "HostValueChangedError",
+    "MovedMemoryError",
+    "StateMovedError",
+    "call_opaque",
+    "is_host_handle",
+]
 
 aten = torch.ops.aten
 
@@ -66,6 +74,13 @@ class MovedMemoryError(RuntimeError):
     uses to give a held output memory of its own). The emulator's record would follow the
     storage; a CUDA graph replays kernels on the captured addresses and would read and write
     the old memory, silently: the emulator refuses to differ."""
+
+
+class HostValueChangedError(RuntimeError):
+    """A replay of an :class:`EmulatedGraph` found a host handle (see :func:`is_host_handle`)
+    holding another value, or at another address, than the custom op kernel read at capture.
+    A CUDA graph keeps the value its kernel was launched with: replaying would silently use the
+    old one, so the emulator refuses to."""
 
 
 class StateMovedError(MovedMemoryError):
@@ -141,6 +156,30 @@ def _callable(func: Any) -> Callable:
 
 _tls = threading.local()
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
+_SCALAR_READS = frozenset({aten.item.default, aten._local_scalar_dense.default})
+
+
+def is_host_handle(value: Any, pool: EmulatedPool) -> bool:
+    """Whether a custom op's tensor argument is a host handle rather than a stand-in for a
+    device tensor: the emulator's one rule for telling them apart on the CPU, where every
+    tensor is a CPU tensor.
+
+    A host handle is a 0-dim integer tensor on the CPU that the capture did not make (it is in
+    no block of ``pool``), handed to a custom op as an argument: an engine's host-side value
+    such as the pointer vLLM's CPU linear ``_C::onednn_mm(out, x, bias, handler)`` reads with
+    ``handler.item()``, which stays on the host on a GPU machine too. Its ``.item()`` inside
+    the kernel is read once at capture and checked at every replay
+    (:class:`HostValueChangedError`). Every other tensor stands in for a device tensor, and its
+    ``.item()`` is refused as a device-to-host sync.
+    """
+    return (
+        isinstance(value, torch.Tensor)
+        and type(value) in _PLAIN
+        and value.dim() == 0
+        and value.device.type == "cpu"
+        and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+        and pool.block_of(value) is None
+    )
 
 
 def _run_checked(
@@ -173,7 +212,8 @@ def _run_checked(
             keys = k if keys is None else keys | k
     if keys is None:
         return func(*args, **kwargs), ()
-    checker = _Checker(graph, _storages(leaves))
+    handles = {a.untyped_storage()._cdata for a in leaves if is_host_handle(a, graph.pool)}
+    checker = _Checker(graph, _storages(leaves), handles)
     with checker:
         out = func.redispatch(keys & _BELOW_PYTHON, *args, **kwargs)
     touched = tuple(checker.touched.values())
@@ -223,12 +263,19 @@ def _storages(leaves) -> set[int]:
 class _Checker(TorchDispatchMode):
     """Rejects illegal ops without recording them (for the inside of custom op kernels); with
     ``theirs`` (the storages of the custom op's arguments), notes every other storage the ops
-    touch that the kernel did not make itself."""
+    touch that the kernel did not make itself; ``handles``: storages of the kernel's host
+    handles (see :func:`is_host_handle`), whose ``.item()`` is read once and frozen instead."""
 
-    def __init__(self, graph: EmulatedGraph, theirs: set[int] | None = None) -> None:
+    def __init__(
+        self,
+        graph: EmulatedGraph,
+        theirs: set[int] | None = None,
+        handles: frozenset[int] | set[int] = frozenset(),
+    ) -> None:
         super().__init__()
         self.graph = graph
         self.theirs = theirs
+        self.handles = handles
         self.touched: dict[int, _Touched] = {}
         self._made: dict[int, StorageWeakRef] = {}
 
@@ -238,6 +285,8 @@ class _Checker(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return _run_hop(self.graph, func, args, kwargs, self)[0]
+        if func in _SCALAR_READS and args[0].untyped_storage()._cdata in self.handles:
+            return self.graph._freeze_handle(args[0])
         bad = _illegal_op(func, args, kwargs)
         if bad is not None:
             self.graph._fail(*bad)
@@ -696,9 +745,13 @@ class EmulatedGraph:
 
     Caveats (what a CPU emulator cannot see):
 
-    * Every tensor is a CPU tensor, so host tensors that would legitimately stay on the CPU on a
-      GPU (and whose CPU-side ops would not be captured at all) are treated as device tensors:
-      their ops are replayed and their ``.item()`` is rejected.
+    * Every tensor is a CPU tensor. One rule (:func:`is_host_handle`) tells host tensors from
+      stand-ins for device tensors: a 0-dim integer tensor the capture did not make, handed to a
+      custom op whose kernel reads it with ``.item()``, is a host handle (read once at capture,
+      checked at each replay: :class:`HostValueChangedError` where its value or address
+      changed). Every other tensor stands in for a device tensor: its ops are replayed and its
+      ``.item()`` is rejected, also for host tensors that would legitimately stay on the CPU on
+      a GPU machine.
     * Only ``.to("cpu")`` with a *string* device counts as device-to-host; ``.to(torch.device(
       "cpu"))`` and ``copy_`` into a host tensor are not detected. Host-to-device copies and
       capture on the default stream are not detected either.
@@ -731,6 +784,8 @@ class EmulatedGraph:
         self._steps: tuple[tuple, ...] | None = None
         self._actions: tuple[tuple[str, str], ...] = ()
         self._addresses: tuple[tuple[torch.UntypedStorage, int], ...] = ()
+        # host handles the record's kernels read: storage -> (tensor, address, value at capture)
+        self._handles: dict[int, tuple[torch.Tensor, int, int | bool]] = {}
         self._error: CaptureError | None = None
         self._recorder: _Recorder | None = None
         # storages custom ops' kernels made and kept during the capture or replay under way
@@ -761,6 +816,7 @@ class EmulatedGraph:
             raise RuntimeError("EmulatedGraph already holds a capture; call reset() first")
         self._error = None
         self._made_by_kernels = {}
+        self._handles = {}
         recorder = self._recorder = _Recorder(self)
         _tls.active = self
         self.pool.capture_begin()
@@ -831,6 +887,7 @@ class EmulatedGraph:
         Raises:
             RuntimeError: nothing has been captured (or the graph was reset).
             MovedMemoryError: memory the record uses moved since capture (see there).
+            HostValueChangedError: a host handle a kernel read at capture changed (see there).
         """
         steps = self._steps
         if steps is None:
@@ -843,6 +900,14 @@ class EmulatedGraph:
                     "address"
                 )
         self._made_by_kernels = {}
+        for handle, address, value in self._handles.values():
+            if handle.data_ptr() != address or handle.item() != value:
+                raise HostValueChangedError(
+                    f"{self!r}: a custom op's host handle read as {value} at capture (a 0-dim "
+                    f"{handle.dtype} CPU tensor) now holds {handle.item()} at "
+                    f"{'another' if handle.data_ptr() != address else 'the same'} address; a "
+                    "CUDA graph would replay with the old value. Capture again after changing it."
+                )
         # Inference mode: a captured piece may have made inference tensors (an inference_mode
         # block inside it), which only inference mode may write; a kernel has no grad mode.
         with torch.inference_mode(), torch._C._DisableAutocast():
@@ -874,6 +939,7 @@ class EmulatedGraph:
         self._steps = None
         self._actions = ()
         self._addresses = ()
+        self._handles = {}
 
     @property
     def num_ops(self) -> int:
@@ -897,6 +963,16 @@ class EmulatedGraph:
         return self._steps is not None
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _freeze_handle(self, handle: torch.Tensor) -> int | bool:
+        """Read a host handle (see :func:`is_host_handle`) once, keeping its value and address
+        for :meth:`replay` to check."""
+        with torch.utils._python_dispatch._disable_current_modes():
+            value = handle.item()
+        self._handles.setdefault(
+            handle.untyped_storage()._cdata, (handle, handle.data_ptr(), value)
+        )
+        return value
 
     def _fail(self, op: str, reason: str) -> None:
         err = CaptureError(op, reason)

@@ -840,31 +840,44 @@ def size_input_index(
 ) -> int | None:
     """Index of the graph input whose leading dim is the token count: the first tensor argument
     of the compiled frame in its signature's order (Dynamo orders graph inputs by first use, so
-    a model that reads ``block_table`` first would key on the number of sequences), or the
-    argument named by ``size_input`` (a name matching none warns, where ``warn``)."""
+    a model that reads ``block_table`` first would key on the number of sequences), or the first
+    argument named by ``size_input`` (a tuple of names) that the graph has (names matching none
+    warn, where ``warn``)."""
+    found = size_input_indices(placeholders, example_inputs, params, arg_names, size_input, warn)
+    return found[0] if found else None
+
+
+def size_input_indices(
+    placeholders, example_inputs, params, arg_names, size_input, warn: bool = True
+) -> tuple[int, ...]:
+    """Indices of every graph input whose leading dim is the token count, the one
+    :func:`size_input_index` returns first, then the others ``size_input`` names (in its order);
+    empty where the graph has no tensor argument."""
     candidates = [
         i
         for i, value in enumerate(example_inputs)
         if isinstance(value, torch.Tensor) and i not in params and value.dim() > 0
     ]
     if not candidates:
-        return None
+        return ()
     names = {i: _argument(placeholders[i]) for i in candidates}
-    if size_input is not None:
-        for i in candidates:
-            if names[i] == size_input:
-                return i
-    if size_input is not None and warn:
+    if size_input:
+        by_name = {names[i]: i for i in reversed(candidates)}  # the first input of each name
+        named = tuple(by_name[n] for n in size_input if n in by_name)
+        if named:
+            return named
+    if size_input and warn:
+        given = size_input[0] if len(size_input) == 1 else list(size_input)
         warn_at_caller(
-            f"fxsplit: size_input={size_input!r} names no tensor argument of this graph "
+            f"fxsplit: size_input={given!r} names no tensor argument of this graph "
             f"(tensor arguments: {', '.join(sorted(n for n in names.values() if n)) or 'none'}); "
             "using the first tensor argument"
         )
     if arg_names:
         order = {name: k for k, name in enumerate(arg_names)}
         ranked = sorted(candidates, key=lambda i: (order.get(names[i], len(order)), i))
-        return ranked[0]
-    return candidates[0]
+        return (ranked[0],)
+    return (candidates[0],)
 
 
 def _argument(node) -> str | None:

@@ -1,0 +1,143 @@
+"""fxsplit.vllm's reading of vLLM's config, on stand-ins for vLLM's config objects (vLLM itself
+is not needed; tests/vllm/ runs the adapter inside vLLM)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fxsplit import presets
+from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER
+from fxsplit.vllm import (
+    VllmBackend,
+    capture_sizes,
+    eager_op_presets,
+    region_of,
+    runner_for,
+    size_inputs,
+)
+
+
+def test_importing_fxsplit_and_its_adapter_never_imports_vllm():
+    code = "import sys, fxsplit, fxsplit.vllm; fxsplit.Backend; sys.exit('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def _config(v2: bool, architecture: str = "LlamaForCausalLM"):
+    return SimpleNamespace(
+        use_v2_model_runner=v2, model_config=SimpleNamespace(architecture=architecture)
+    )
+
+
+@pytest.mark.parametrize(
+    ("v2", "architecture", "platform", "runner"),
+    [
+        (False, "LlamaForCausalLM", "cuda", "v1"),
+        (True, "LlamaForCausalLM", "cuda", "v2"),
+        (True, "DeepseekV4ForCausalLM", "cuda", "v2"),
+        (True, "DeepseekV4ForCausalLM", "rocm", "v1"),  # vLLM keeps DeepSeek-V4 on V1 there
+        (True, "LlamaForCausalLM", "rocm", "v2"),
+    ],
+)
+def test_the_runner_is_vllms_model_runner(v2, architecture, platform, runner):
+    assert runner_for(_config(v2, architecture), platform) == runner
+
+
+@pytest.mark.parametrize(
+    ("op", "region"),
+    [
+        ("vllm::unified_attention_with_output", ATTENTION),
+        ("vllm::mamba_mixer2", ATTENTION),
+        ("vllm::unified_kv_cache_update", ATTN_PREP),
+        ("vllm::unified_mla_kv_cache_update", ATTN_PREP),
+        ("vllm::sparse_attn_indexer", SPARSE_INDEXER),
+        ("vllm::rocm_aiter_sparse_attn_indexer", SPARSE_INDEXER),
+    ],
+)
+def test_each_vllm_op_has_its_region(op, region):
+    assert region_of(op) == region
+
+
+class _Compilation:
+    """vLLM's CompilationConfig as the adapter reads it."""
+
+    _attention_ops = ("vllm::unified_attention_with_output", "vllm::sparse_attn_indexer")
+
+    def __init__(self, splitting_ops=(), sizes=(), mode="NONE", warmups=0):
+        self.splitting_ops = list(splitting_ops)
+        self.cudagraph_capture_sizes = list(sizes)
+        self.cudagraph_mode = SimpleNamespace(name=mode)
+        self.cudagraph_num_of_warmups = warmups
+
+
+def _ops(found):
+    return {p.name: (p.region, p.ops) for p in found}
+
+
+def test_vllms_default_list_and_its_kv_cache_writes_are_eager_by_region():
+    found = _ops(eager_op_presets(_Compilation()))
+    region, ops = found["engine_attention"]
+    assert region == ATTENTION and ops[0] == "vllm::unified_attention_with_output"
+    assert not any(o.startswith("vllm::") for o in ops[1:])  # other engines' names stay
+    assert found["engine_kv_cache_update"] == (ATTN_PREP, presets.VLLM_KV_CACHE_UPDATE_OPS)
+    assert found["engine_sparse_indexer"] == (SPARSE_INDEXER, ("vllm::sparse_attn_indexer",))
+
+
+def test_splitting_ops_the_user_set_replace_vllms_default():
+    found = _ops(eager_op_presets(_Compilation(["vllm::linear_attention"])))
+    assert found["engine_attention"][1][0] == "vllm::linear_attention"
+    assert found["engine_kv_cache_update"][1] == ()
+    assert found["engine_sparse_indexer"][1] == ()
+
+
+def test_the_fallback_list_holds_no_name_vllm_dropped():
+    ops = next(p for p in presets.defaults() if p.name == "engine_attention").ops
+    assert "vllm::unified_attention" not in ops and "vllm::unified_mla_attention" not in ops
+    assert set(presets.VLLM_KV_CACHE_UPDATE_OPS).isdisjoint(ops)
+
+
+@pytest.mark.parametrize(
+    ("compilation", "sizes"),
+    [
+        (_Compilation(sizes=[]), None),  # vLLM on the CPU pads nothing
+        (_Compilation(sizes=[4, 1, 2], mode="PIECEWISE"), (1, 2, 4)),
+        (_Compilation(sizes=[4, 1, 2], mode="NONE"), None),  # no CUDA graphs: no padding
+    ],
+)
+def test_capture_sizes_are_the_sizes_vllm_pads_to(compilation, sizes):
+    assert capture_sizes(compilation) == sizes
+
+
+def _graph(**ranks):
+    """A graph with one tensor placeholder per argument, of the given ranks."""
+    graph = torch.fx.Graph()
+    for name, rank in ranks.items():
+        node = graph.placeholder(name)
+        node.meta["example_value"] = torch.zeros((2,) * rank)
+        node.meta["grapharg"] = SimpleNamespace(source=SimpleNamespace(name=f"L['{name}']"))
+    graph.output(None)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_size_inputs_are_the_arguments_vllm_declares_dynamic_in_their_leading_dim():
+    dims = {"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+    assert size_inputs(dims, _graph(input_ids=1, positions=1)) == (
+        "input_ids",
+        "positions",
+        "intermediate_tensors",
+        "inputs_embeds",
+    )
+    # multimodal rotary positions are [3, tokens]: the tokens are not their leading dim
+    assert "positions" not in size_inputs(dims, _graph(input_ids=1, positions=2))
+    assert size_inputs({"x": {0: None}, "y": [1]}) == ("x",)
+    assert size_inputs(None) == ()
+
+
+def test_the_adapter_refuses_to_compile_outside_vllm():
+    pytest.importorskip("vllm")  # without vLLM the import error says it first
+    with pytest.raises(RuntimeError, match="no vLLM config to read"):
+        VllmBackend()(torch.fx.symbolic_trace(lambda x: x + 1), [torch.ones(2)])
