@@ -185,9 +185,7 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
 
 def _reads_tensors(node: Node) -> bool:
     """Whether one of ``node``'s inputs is a tensor (host arithmetic writes no memory)."""
-    return any(
-        isinstance(a.meta.get("example_value"), torch.Tensor) for a in node.all_input_nodes
-    )
+    return any(isinstance(a.meta.get("example_value"), torch.Tensor) for a in node.all_input_nodes)
 
 
 def _constant(node: Node) -> bool:

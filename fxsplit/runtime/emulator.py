@@ -263,8 +263,7 @@ class _Checker(TorchDispatchMode):
             found = self.touched.get(cdata)
             if found is None:
                 what = (
-                    f"a {leaf.dtype} tensor of shape {tuple(leaf.shape)} "
-                    f"(read by {_op_name(func)})"
+                    f"a {leaf.dtype} tensor of shape {tuple(leaf.shape)} (read by {_op_name(func)})"
                 )
                 maker = self.graph._made_by_kernels.get(cdata)
                 made = maker is not None and not maker.expired()
