@@ -207,3 +207,29 @@ def test_attention_written_as_ops_is_left_alone_without_presets():
     with torch.no_grad():
         torch.compile(OpsAttention(), backend=backend, dynamic=False)(x, mask)
     assert not backend.plans[0].eager
+
+
+class TransposedWeightRouter(nn.Module):
+    """A mixture of experts' soft merge: router logits by a transposed weight
+    (``x @ self.w.t()``, as routers written without ``nn.Linear`` do), a softmax, and the
+    experts' outputs weighted by a batched product: a projection, not attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 16))
+        self.experts = nn.Linear(16, 64)
+
+    def forward(self, x):
+        gate = (x @ self.w.t()).softmax(-1)
+        outs = self.experts(x).view(*x.shape[:-1], 4, 16)
+        return (gate.unsqueeze(-2) @ outs).squeeze(-2)
+
+
+def test_a_softmax_over_a_projection_by_a_transposed_weight_is_not_attention():
+    torch._dynamo.reset()
+    backend = fxsplit.Backend(capture="off")
+    with torch.no_grad():
+        torch.compile(TransposedWeightRouter(), backend=backend, dynamic=False)(
+            torch.randn(1, 5, 16)
+        )
+    assert not backend.plans[0].eager, backend.plans[0].format()

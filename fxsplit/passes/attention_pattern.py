@@ -140,12 +140,56 @@ def _is_product(node: Node) -> bool:
     return _name(node) in _PRODUCTS and not any(_is_weight(a) for a in node.all_input_nodes)
 
 
+# Ops that only change a tensor's layout or dtype: a weight through them is still a weight.
+_LAYOUT = frozenset(
+    f"aten::{name}"
+    for name in (
+        "t",
+        "transpose",
+        "permute",
+        "view",
+        "reshape",
+        "expand",
+        "expand_as",
+        "contiguous",
+        "unsqueeze",
+        "squeeze",
+        "flatten",
+        "unflatten",
+        "to",
+        "float",
+        "half",
+        "bfloat16",
+        "type_as",
+        "numpy_T",
+        "mT",
+        "adjoint",
+        "detach",
+        "clone",
+    )
+)
+
+
 def _is_weight(node: Node) -> bool:
-    """A parameter or module constant (Dynamo lifts parameters to placeholders)."""
-    if node.op == "get_attr":
-        return True
-    example = getattr(node.meta.get("grapharg"), "example", None)
-    return isinstance(example, torch.nn.Parameter)
+    """A parameter or module constant (Dynamo lifts parameters to placeholders), or one seen
+    through ops that only change its layout or dtype (a router's ``x @ self.w.t()`` is a
+    projection too). A tensor computed from weights (a projection of learned queries) is no
+    weight: attention over learned queries is attention."""
+    while True:
+        if node.op == "get_attr":
+            return True
+        example = getattr(node.meta.get("grapharg"), "example", None)
+        if isinstance(example, torch.nn.Parameter):
+            return True
+        if node.op == "call_function" and node.target is getattr and node.args:
+            source = node.args[0]  # w.T, w.mT: Dynamo may keep the attribute read
+        elif _name(node) in _LAYOUT and node.args and isinstance(node.args[0], Node):
+            source = node.args[0]
+        else:
+            return False
+        if not isinstance(source, Node):
+            return False
+        node = source
 
 
 def _name(node: Node) -> str | None:
