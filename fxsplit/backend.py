@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import cache, counters, precompile, trace
+from fxsplit import cache, capture_off, counters, precompile, trace
 from fxsplit.config import Config
 from fxsplit.config_checks import ConfigChecks, WarnOnSecondCall
 from fxsplit.distributed import check_ranks
@@ -30,6 +30,10 @@ from fxsplit.runtime.graph_runtime import CaptureSession, Frame, GraphRuntime, s
 from fxsplit.tools import dump
 
 log = logging.getLogger("fxsplit")
+
+# torch.compile's modes fxsplit takes: transformers' CompileConfig passes "reduce-overhead" (CUDA
+# graphs) by default.
+_MODES = (None, "default", "reduce-overhead")
 
 
 class Backend:
@@ -87,7 +91,8 @@ class Backend:
         """Split ``gm`` and return the callable Dynamo runs in its place.
 
         Raises:
-            ValueError: ``mode`` other than "default", or a bad option.
+            ValueError: ``mode`` other than "default" or "reduce-overhead" (which asks for
+                CUDA graphs: fxsplit's own job, so it changes nothing), or a bad option.
             TypeError: an unknown keyword from torch, or an option of the wrong type.
             fxsplit.distributed.RankMismatchError: ranks split the graph differently (with
                 ``torch.distributed`` initialised and ``check_ranks`` on).
@@ -96,10 +101,12 @@ class Backend:
             raise TypeError(
                 f"fxsplit backend got unexpected keyword(s) {sorted(kwargs)}; it takes options=..."
             )
-        if mode not in (None, "default"):
+        if mode not in _MODES:
             raise ValueError(
-                f"fxsplit does not take torch.compile(mode={mode!r}); leave mode unset and pass "
-                "fxsplit's own settings as options={...}"
+                f"fxsplit does not take torch.compile(mode={mode!r}); it takes mode 'default' or "
+                "'reduce-overhead' (CUDA graphs, which fxsplit captures per piece: its capture "
+                "option decides), or leave mode unset and pass fxsplit's own settings as "
+                "options={...}"
             )
         config = Config.from_options(options, base=self.config) if options else self.config
         frame = _frame(gm)
@@ -128,6 +135,7 @@ class Backend:
             fxsplit.distributed.RankMismatchError: see :meth:`__call__`.
         """
         mode, device = _run_mode(config, example_inputs)  # fail before any work
+        capture_off.tell_once(config.capture, _cuda_device(example_inputs))
         graph_id = self._next_graph_id()
         graph_code = gm.code if config.dump_folder else ""  # the split edits the graph in place
         policy = _policy(config, frame)
