@@ -70,6 +70,12 @@ class Backend:
         self._lock = threading.Lock()
         self.checks = ConfigChecks()
 
+    def __deepcopy__(self, memo) -> Backend:
+        """The backend itself, not a copy: it owns the graphs, pools and plans its caller reads
+        back. transformers deep-copies a ``CompileConfig`` (backend included) before it
+        compiles; a copy would compile into a second backend the caller never sees."""
+        return self
+
     def __repr__(self) -> str:
         default = Config()
         changed = [
