@@ -24,6 +24,7 @@ import fxsplit  # noqa: E402
 from fxsplit.tools import cli, dump, report  # noqa: E402
 from fxsplit.tools.diff import diff_splits  # noqa: E402
 from tests.columns import Recording, cut_words  # noqa: E402
+from tests.timeouts import scaled  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -375,7 +376,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     dom = result.stdout
     assert result.returncode == 0, result.stderr[-2000:]
@@ -560,7 +561,7 @@ def test_torch_trace_holds_fxsplit_artifacts(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     # TORCH_LOGS=fxsplit: the backend's INFO line per compiled graph

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.timeouts import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -18,7 +20,7 @@ def test_import_from_a_folder_holding_a_folder_named_fxsplit(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()).parent.parent == REPO
