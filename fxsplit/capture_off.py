@@ -15,7 +15,7 @@ import torch
 
 log = logging.getLogger("fxsplit")
 
-EMULATE = "capture='emulate' runs the CPU capture emulator (CUDA-graph semantics on the CPU)"
+EMULATOR = "the CPU capture emulator (CUDA-graph semantics on the CPU)"
 
 _lock = threading.Lock()
 _told = False
@@ -35,7 +35,7 @@ def message(why: str) -> str:
     """The line, for the reason :func:`reason` gave."""
     return (
         f"fxsplit: capture is off ({why}): capture='auto' captures CUDA graphs only on a CUDA "
-        f"or ROCm device, so nothing is captured or replayed; {EMULATE}"
+        f"or ROCm device, so nothing is captured or replayed; capture='emulate' runs {EMULATOR}"
     )
 
 
