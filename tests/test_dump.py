@@ -25,6 +25,7 @@ from fxsplit.tools import cli, dump, report  # noqa: E402
 from fxsplit.tools.diff import diff_splits  # noqa: E402
 from tests.columns import Recording, cut_words  # noqa: E402
 from tests.timeouts import scaled  # noqa: E402
+from tests.warned import warned_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -425,8 +426,10 @@ def test_cli_warns_of_an_option_that_matched_nothing(command, tmp_path, monkeypa
     options = json.dumps({"splitting_ops": ["aten::topkk"]})
     argv = [command, "tests.test_dump:tiny_factory", "--options", options]
     argv += ["--out", str(tmp_path)] if command == "dump" else []
-    with pytest.warns(fxsplit.FxsplitWarning, match="'aten::topkk'.*matched no node"):
+    with pytest.warns(fxsplit.FxsplitWarning, match="'aten::topkk'.*matched no node") as caught:
         assert cli.main(argv) == 0
+    # named at the user's factory, not at the fxsplit script or fxsplit's own code
+    assert set(warned_at(caught)) == {("test_dump.py", "def tiny_factory():")}
 
 
 def test_cli_dump_deepseek_v4(tmp_path, capsys, monkeypatch):

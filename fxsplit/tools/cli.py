@@ -98,15 +98,33 @@ def _compile(spec: str, factory, options: dict):
 
     model, args, kwargs = _call_factory(spec, factory)
     torch._dynamo.reset()
-    with _no_env_dump_dir(), torch.no_grad():
-        torch.compile(model, backend=recording, dynamic=True)(*args, **kwargs)
-    backend.checks.warn()  # the call compiled every graph: a pattern that matched nothing shows
+    with _warnings_at(factory):
+        with _no_env_dump_dir(), torch.no_grad():
+            torch.compile(model, backend=recording, dynamic=True)(*args, **kwargs)
+        backend.checks.warn()  # the call compiled every graph: a pattern that matched nothing
     records = [
         (split, code, inputs)
         for split, (code, inputs) in zip(backend.compiled, codes, strict=False)
     ]
     name = type(model).__name__ if isinstance(model, torch.nn.Module) else None
     return name or getattr(model, "__name__", None), records
+
+
+def _warnings_at(factory):
+    """fxsplit's warnings about the model attributed to the factory in the user's file, not to
+    the ``fxsplit`` script that called it; where its source cannot be found, left as they are."""
+    import inspect
+
+    from fxsplit.warn import attributed_to
+
+    try:
+        filename = inspect.getsourcefile(factory)
+        _, lineno = inspect.getsourcelines(factory)
+    except (OSError, TypeError):
+        filename = None
+    if filename is None:
+        return contextlib.nullcontext()
+    return attributed_to(filename, lineno)
 
 
 def _console():
