@@ -77,3 +77,14 @@ def test_readme_offers_the_quick_subset_with_a_registered_marker():
     assert 'python3 -m pytest -q -m "not slow"' in README
     pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
     assert re.search(r'^    "slow: ', pyproject, re.MULTILINE)
+
+
+def test_ci_runs_the_readmes_test_command():
+    """CI runs what the README tells a newcomer to run, on a clean clone."""
+    (command,) = [
+        line.split("#")[0].strip()
+        for line in README.splitlines()
+        if line.startswith("bash scripts/setup.sh && python3 -m pytest")
+    ]
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert command in ci, (command, ci)
