@@ -25,6 +25,8 @@ class Piece:
         aliases: ``"output -> input"`` for each output that is a view of one of its inputs.
         devices: the devices of the tensors it reads and makes (``"cuda:0"``, ``"cpu"``).
         random: it draws random numbers (an op tagged ``nondeterministic_seeded``).
+        unset: names of the outputs it allocates and never writes (an ``empty_like`` buffer a
+            later eager op fills): their values are unspecified when the piece ends.
         same_as: the first piece with the same code (structure, targets, constants and global
             state; another layer of the same model), whose code object, and compiled artifact
             when pieces are compiled, this one shares; None for the first of its kind.
@@ -44,6 +46,7 @@ class Piece:
     devices: tuple[str, ...] = ()
     random: bool = False
     same_as: str | None = None
+    unset: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ them matches is not matched against presets of the same kind (op or module).
 
 Where PyTorch can tell, a preset is resolved from it rather than kept as a list: the sdpa preset
 holds every ``aten`` op PyTorch registers under the scaled-dot-product-attention names, and
-``flex_attention`` is PyTorch's higher-order op. Other libraries' ops are names only: they match
+``flex_attention`` is PyTorch's higher-order op. Attention written as ops (two batched matmuls
+around a softmax, transformers' ``attn_implementation="eager"``) is found by that shape in the
+graph (:data:`EAGER_ATTENTION`). Other libraries' ops are names only: they match
 once the library registers them (and never otherwise).
 """
 
@@ -23,7 +25,7 @@ import torch
 
 from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER
 
-__all__ = ["Preset", "defaults", "resolve"]
+__all__ = ["EAGER_ATTENTION", "Preset", "defaults", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -106,11 +108,17 @@ _ENGINE_OPS = (
 _INDEXERS = ("DeepseekV32Indexer", "DeepseekV4Indexer")
 
 
+#: Attention written as ops (matmul, softmax, matmul), which no op or module name marks: found
+#: by its shape in the graph (:mod:`fxsplit.passes.attention_pattern`).
+EAGER_ATTENTION = Preset("eager_attention", ATTENTION)
+
+
 @functools.cache
 def defaults() -> tuple[Preset, ...]:
     """The built-in presets, in matching order."""
     return (
         Preset("sdpa", ATTENTION, ops=_sdpa_ops()),
+        EAGER_ATTENTION,
         Preset("flex_attention", ATTENTION, ops=_flex_ops()),
         Preset("flash_attn", ATTENTION, ops=_FLASH_ATTN_OPS),
         Preset("engine_attention", ATTENTION, ops=_ENGINE_OPS),

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fxsplit
+from fxsplit.runtime.output_lifetime import can_swap
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
@@ -138,17 +139,28 @@ class _Rebinding(nn.Module):
 
 @pytest.mark.parametrize("warmup_runs", [0, 1])
 def test_a_buffer_rebound_to_an_output_every_step_is_copied(warmup_runs):
-    """``self.t = self.t + 1``: from its first move to memory fxsplit produced, the buffer is
-    copied like a runner input (before, with no warm-up, replays read a stale copy of it)."""
+    """``self.t = self.t + 1``: from its first move to memory fxsplit produced (call 1), the
+    buffer is copied like a runner input (before, with no warm-up, replays read a stale copy of
+    it). Call 1 finds it rebound and starts the pieces afresh (warm-up, capture); every call
+    after them replays both captured pieces, and nothing is recaptured. Taking the move for a
+    weight reload instead (rebound only on the second consecutive move) costs a recapture with
+    no warm-up and a replay per piece with one."""
     compiled_net, eager = _Rebinding(), _Rebinding()
     backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs)
     model = torch.compile(compiled_net, backend=backend, dynamic=True)
+    steps = 6
     with torch.no_grad(), pytest.warns(fxsplit.FxsplitWarning, match="moved on consecutive calls"):
-        for step in range(6):
+        for step in range(steps):
             x = torch.full((2, 4), float(step))
             assert torch.equal(model(x), eager(x)), step
             assert torch.equal(compiled_net.t, eager.t), step
-    assert _replays(backend) > 0
+    (pieces,) = backend.stats.values()
+    replays = {
+        name: sum(c.get("replays", 0) for c in keys.values()) for name, keys in pieces.items()
+    }
+    assert len(replays) == 2, backend.plans[0].format()
+    assert all(n == steps - 1 - warmup_runs - 1 for n in replays.values()), replays
+    assert fxsplit.counters.snapshot()["recaptures"] == 0
 
 
 class _Feedback(nn.Module):
@@ -268,19 +280,27 @@ def test_strict_binding_never_checks_a_piece_that_is_never_captured(capture):
             assert torch.equal(model(x, y), _ChangesItsInputsLayout()(x, y))
 
 
+@pytest.mark.skipif(not can_swap(), reason="this torch cannot move a storage's memory")
 def test_a_callers_tensor_at_the_address_of_a_dropped_output_is_still_the_callers():
     """fxsplit knows its outputs by storage identity: the allocator may hand a dropped output's
-    address to the caller's next tensor, which strict binding must still bind by address."""
-    model = torch.compile(_Feedback(), backend=fxsplit.Backend(capture="emulate", runner="v2"))
+    address to the caller's next tensor, which strict binding must still bind by address.
+
+    Deterministic on any allocator: the caller's storage takes the output's memory over
+    (``_swap_data_ptr_``) before the output is dropped, so it lies at the output's address."""
+    backend = fxsplit.Backend(capture="emulate", runner="v2")
+    model = torch.compile(_Feedback(), backend=backend)
     with torch.no_grad():
         x = torch.randn(3, 4)
-        out = model(x)
-        address, nbytes = out.untyped_storage().data_ptr(), out.untyped_storage().nbytes()
+        out = model(x)  # warm-up: the output is fxsplit's
+        address = out.untyped_storage().data_ptr()
+        mine = torch.UntypedStorage(out.untyped_storage().nbytes())
+        out.untyped_storage()._swap_data_ptr_(mine)
         del out
-        buffer = torch.empty(nbytes, dtype=torch.uint8).view(torch.float32).view(3, 4)
-        if buffer.untyped_storage().data_ptr() != address:
-            pytest.skip("the allocator did not reuse the address")
+        buffer = torch.empty(0).set_(mine, 0, (3, 4), (4, 1))
+        assert buffer.data_ptr() == address
         buffer.copy_(x)
         model(buffer)  # capture: bound to the caller's buffer by address
+        model(buffer)
+        assert _replays(backend) == len(backend.plans[0].captured)  # each piece once
         with pytest.raises(fxsplit.BindingError):
             model(torch.randn(3, 4))

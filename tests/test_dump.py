@@ -279,6 +279,30 @@ def test_without_dot_writes_source_and_note(tmp_path, monkeypatch):
     assert "apt-get install -y graphviz" in (folder / "report.html").read_text()
 
 
+def test_without_the_graphviz_package_the_compile_dumps_the_rest(tmp_path, monkeypatch):
+    """A dump aid never stops a model: without the graphviz Python package the compile goes
+    on, the dump holds everything but the picture and says why."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_graphviz(name, *args, **kwargs):
+        if name == "graphviz":
+            raise ImportError("No module named 'graphviz'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_graphviz)
+    monkeypatch.setenv("FXSPLIT_DUMP_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        out = torch.compile(model, backend=fxsplit.Backend(eager_regions=[]))(torch.ones(2, 4))
+    assert torch.equal(out, model(torch.ones(2, 4)))
+    (folder,) = tmp_path.iterdir()
+    assert (folder / "plan.json").is_file() and not (folder / "split.dot").exists()
+    assert "pip install graphviz" in (folder / "split_svg_missing.txt").read_text()
+
+
 @pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz `dot` not installed")
 def test_svg_inlined_in_report(tmp_path):
     folder = _tiny_dump(tmp_path)

@@ -1,4 +1,5 @@
-"""Tests of the CPU capture emulator (fxsplit.runtime.emulator)."""
+"""Tests of the CPU capture emulator (fxsplit.runtime.emulator). A replay runs the recorded ops
+again on the same device, so every value is compared bit for bit (``rtol=0, atol=0``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from fxsplit.runtime.emulated_pool import EmulatedPool
-from fxsplit.runtime.emulator import CaptureError, EmulatedGraph, MovedMemoryError, call_opaque
+from fxsplit.runtime.emulator import (
+    CaptureError,
+    EmulatedGraph,
+    MovedMemoryError,
+    StateMovedError,
+    call_opaque,
+)
 
 
 @torch.library.custom_op("fxsplit_emutest::scale_into", mutates_args=("out",))
@@ -42,11 +49,11 @@ def test_replay_sees_inplace_update_of_recorded_input():
     x = torch.randn(4, 8)
     g = EmulatedGraph()
     out = g.capture(lambda t: torch.sin(t) * 2 + 1, x)
-    torch.testing.assert_close(out, torch.sin(x) * 2 + 1)
+    torch.testing.assert_close(out, torch.sin(x) * 2 + 1, rtol=0, atol=0)
     new = torch.randn(4, 8)
     x.copy_(new)
     g.replay()
-    torch.testing.assert_close(out, torch.sin(new) * 2 + 1)
+    torch.testing.assert_close(out, torch.sin(new) * 2 + 1, rtol=0, atol=0)
 
 
 def test_replay_reads_the_recorded_tensor_not_one_the_program_names_later():
@@ -72,7 +79,7 @@ def test_output_identity_kept_and_overwritten_by_next_replay():
     x.fill_(10.0)
     g.replay()
     assert first is out and out.data_ptr() == ptr
-    torch.testing.assert_close(first, torch.full((3,), 11.0))
+    torch.testing.assert_close(first, torch.full((3,), 11.0), rtol=0, atol=0)
     assert not torch.equal(first, snapshot)
 
 
@@ -104,7 +111,7 @@ def test_host_scalar_is_frozen_at_capture():
     cfg["n"] = 5
     x.copy_(torch.ones(4))
     g.replay()
-    torch.testing.assert_close(out, torch.full((4,), 3.0 + 4.0))
+    torch.testing.assert_close(out, torch.full((4,), 3.0 + 4.0), rtol=0, atol=0)
 
 
 def _branch(t):
@@ -148,7 +155,7 @@ def test_illegal_op_raises_capture_error_naming_it(fn, needle):
     # The graph is reusable after the failure.
     out = g.capture(lambda t: t * 2, x)
     g.replay()
-    torch.testing.assert_close(out, x * 2)
+    torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
 
 
 def test_synchronize_patch_is_undone():
@@ -234,8 +241,8 @@ def test_legal_idioms_do_not_raise():
     y, _idx, oh = g.capture(fn, x)
     x.copy_(torch.randn(6))
     g.replay()
-    torch.testing.assert_close(y, torch.clamp(x * 2, min=0))
-    torch.testing.assert_close(oh, F.one_hot(torch.tensor([0, 2]), num_classes=3))
+    torch.testing.assert_close(y, torch.clamp(x * 2, min=0), rtol=0, atol=0)
+    torch.testing.assert_close(oh, F.one_hot(torch.tensor([0, 2]), num_classes=3), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("op", ["topk", "split", "max", "sort", "chunk_cat"])
@@ -258,7 +265,7 @@ def test_multi_output_ops_replay(op):
         got = [outs] if isinstance(outs, torch.Tensor) else list(outs)
         want = [expected] if isinstance(expected, torch.Tensor) else list(expected)
         for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_kv_cache_index_copy_is_replayed_with_recorded_index():
@@ -278,9 +285,9 @@ def test_kv_cache_index_copy_is_replayed_with_recorded_index():
         pos.copy_(torch.tensor([p, p + 1]))
         k.copy_(torch.randn(2, 4))
         g.replay()
-        torch.testing.assert_close(cache[p : p + 2], k)
-    torch.testing.assert_close(cache[:2], first)  # earlier writes stay
-    torch.testing.assert_close(total, cache.sum(dim=0))
+        torch.testing.assert_close(cache[p : p + 2], k, rtol=0, atol=0)
+    torch.testing.assert_close(cache[:2], first, rtol=0, atol=0)  # earlier writes stay
+    torch.testing.assert_close(total, cache.sum(dim=0), rtol=0, atol=0)
 
 
 def test_custom_op_mutating_out_replays():
@@ -291,7 +298,7 @@ def test_custom_op_mutating_out_replays():
     assert g.actions == (("fxsplit_emutest::scale_into", "run"),)
     x.copy_(torch.randn(5))
     g.replay()
-    torch.testing.assert_close(out, x * 3.0)
+    torch.testing.assert_close(out, x * 3.0, rtol=0, atol=0)
 
 
 def test_functional_custom_op_replays_into_recorded_output():
@@ -301,7 +308,7 @@ def test_functional_custom_op_replays_into_recorded_output():
     assert g.actions[0] == ("fxsplit_emutest::plus_one", "run+copy")
     x.copy_(torch.randn(5))
     g.replay()
-    torch.testing.assert_close(y, (x + 1) * 2)
+    torch.testing.assert_close(y, (x + 1) * 2, rtol=0, atol=0)
 
 
 def test_views_are_not_copied():
@@ -322,8 +329,8 @@ def test_views_are_not_copied():
     assert v.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     x.copy_(torch.randn(4, 6))
     g.replay()
-    torch.testing.assert_close(doubled, x.view(6, 4).t()[0] * 2)
-    torch.testing.assert_close(row, x.view(6, 4).t()[0])
+    torch.testing.assert_close(doubled, x.view(6, 4).t()[0] * 2, rtol=0, atol=0)
+    torch.testing.assert_close(row, x.view(6, 4).t()[0], rtol=0, atol=0)
 
 
 def test_allocations_are_skipped_and_zeros_rerun():
@@ -343,9 +350,13 @@ def test_allocations_are_skipped_and_zeros_rerun():
     x.copy_(torch.randn(4))
     g.replay()
     g.replay()
-    torch.testing.assert_close(buf[:4], x)
-    torch.testing.assert_close(buf[4:], tail, equal_nan=True)  # memory keeps its contents
-    torch.testing.assert_close(acc, x)  # zeros re-ran: no accumulation across replays
+    torch.testing.assert_close(buf[:4], x, rtol=0, atol=0)
+    torch.testing.assert_close(
+        buf[4:], tail, equal_nan=True, rtol=0, atol=0
+    )  # memory keeps its contents
+    torch.testing.assert_close(
+        acc, x, rtol=0, atol=0
+    )  # zeros re-ran: no accumulation across replays
 
 
 def test_constant_tensor_is_restored_each_replay():
@@ -360,7 +371,7 @@ def test_constant_tensor_is_restored_each_replay():
     out = g.capture(fn, x)
     for _ in range(3):
         g.replay()
-        torch.testing.assert_close(out, torch.tensor([2.0, 4.0]))
+        torch.testing.assert_close(out, torch.tensor([2.0, 4.0]), rtol=0, atol=0)
 
 
 def test_random_ops_draw_fresh_numbers():
@@ -393,7 +404,7 @@ def test_matmul_softmax_layernorm_chain_matches_eager(mode):
             static_x.copy_(new)
             g.replay()
             expected = block(new)
-        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_replay_inside_capture_is_recorded():
@@ -404,7 +415,7 @@ def test_replay_inside_capture_is_recorded():
     z = outer.capture(lambda: (inner.replay(), y * 2)[1])
     x.fill_(1.0)
     outer.replay()
-    torch.testing.assert_close(z, torch.full((3,), 4.0))
+    torch.testing.assert_close(z, torch.full((3,), 4.0), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -518,7 +529,167 @@ def test_a_replay_refuses_memory_moved_since_capture():
     g = EmulatedGraph()
     out = g.capture(lambda: x * w)
     g.replay()
-    torch.testing.assert_close(out, x * w)
+    torch.testing.assert_close(out, x * w, rtol=0, atol=0)
     w.untyped_storage()._swap_data_ptr_(w.untyped_storage().clone())
+    with pytest.raises(MovedMemoryError, match="would read and write its old address"):
+        g.replay()
+
+
+# An engine's op reads per-step state that is not among its arguments (vLLM's attention reads
+# slot mappings and block tables from a forward context): here a global table of slots.
+_SLOTS = {"table": torch.arange(4)}
+
+
+@torch.library.custom_op("fxsplit_emutest::gather_slots", mutates_args=())
+def _gather_slots(x: torch.Tensor) -> torch.Tensor:
+    return x[_SLOTS["table"]] * 2
+
+
+@_gather_slots.register_fake
+def _(x):
+    return x.new_empty(4, *x.shape[1:])
+
+
+@torch.library.custom_op("fxsplit_emutest::write_slots", mutates_args=())
+def _write_slots(x: torch.Tensor) -> torch.Tensor:
+    _SLOTS["cache"].index_copy_(0, _SLOTS["table"], x[:4])
+    return x + 1
+
+
+@_write_slots.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_reading_state_updated_in_place_replays_it():
+    """State outside the op's arguments kept in a persistent buffer and refilled in place:
+    the replay reads the same memory a CUDA graph reads, so it follows the new values."""
+    _SLOTS["table"] = torch.arange(4)
+    x = torch.randn(8, 3)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: _gather_slots(t) + 1, x)
+    _SLOTS["table"].copy_(torch.tensor([3, 2, 1, 0]))
+    g.replay()
+    assert torch.equal(out, x[_SLOTS["table"]] * 2 + 1)
+
+
+def test_a_custom_op_reading_state_rebound_since_capture_raises_naming_op_and_tensor():
+    """The per-step state rebuilt as a new tensor (a v1 runner's metadata): a CUDA graph would
+    read the capture step's tensor, silently; the emulator, which calls the op afresh, would
+    read the new one. It raises instead of being more lenient than CUDA."""
+    _SLOTS["table"] = torch.arange(4)
+    x = torch.randn(8, 3)
+    g = EmulatedGraph()
+    g.capture(lambda t: _gather_slots(t) + 1, x)
+    _SLOTS["table"] = torch.tensor([0, 0, 0, 0])
+    with pytest.raises(
+        StateMovedError,
+        match=r"gather_slots touched a torch.int64 tensor of "
+        r"shape \(4,\).*another tensor than the one it touched at capture",
+    ) as e:
+        g.replay()
+    assert "splitting_ops=['fxsplit_emutest::gather_slots']" in str(e.value)
+    assert isinstance(e.value, MovedMemoryError)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch cannot move memory"
+)
+def test_a_custom_op_writing_state_that_moved_since_capture_raises():
+    """A cache the op writes through a forward context, moved to other memory: a CUDA graph
+    would write the old address."""
+    _SLOTS["table"], _SLOTS["cache"] = torch.arange(4), torch.zeros(8, 3)
+    x = torch.randn(8, 3)
+    g = EmulatedGraph()
+    g.capture(_write_slots, x)
+    g.replay()
+    cache = _SLOTS["cache"].untyped_storage()
+    cache._swap_data_ptr_(cache.clone())
+    with pytest.raises(StateMovedError, match="the tensor it touched, but at another address"):
+        g.replay()
+
+
+def test_a_custom_op_touching_only_its_arguments_replays_unchecked():
+    """Only ops that touched state outside their arguments pay for the check."""
+    x = torch.randn(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: _plus_one(t) * 2, x)
+    assert all(type(step[1]).__name__ != "_ReadsState" for step in g._steps)
+    x.copy_(torch.randn(4))
+    g.replay()
+    assert torch.equal(out, (x + 1) * 2)
+
+
+class _Engine(torch.nn.Module):
+    """A layer whose op gathers through the runner's slot table (outside its arguments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(_gather_slots(self.lin(x)))
+
+
+@pytest.mark.parametrize("runner", ["rebuilds", "refills"])
+def test_a_compiled_piece_reading_a_runners_table_raises_where_cuda_would_read_stale(runner):
+    """End to end: a runner that rebuilds its table every step (a v1 runner's metadata) gets a
+    loud error at the first replay; one that refills it in place (v2's persistent buffers)
+    replays eager's numbers; the op made a splitting op runs eagerly and is right either way."""
+    import fxsplit
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(_Engine()).eval()
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
+    compiled = torch.compile(model, backend=backend)
+    eager_op = torch.compile(
+        model,
+        backend=fxsplit.Backend(
+            capture="emulate", eager_regions=[], splitting_ops=["fxsplit_emutest::gather_slots"]
+        ),
+    )
+    _SLOTS["table"] = torch.arange(4)
+    with torch.no_grad():
+        for step in range(4):
+            table = torch.randperm(8)[:4]
+            if runner == "rebuilds":
+                _SLOTS["table"] = table
+            else:
+                _SLOTS["table"].copy_(table)
+            x = torch.randn(8, 3)
+            want = model(x)
+            assert torch.equal(eager_op(x), want)
+            if runner == "rebuilds" and step == 2:  # capture at 1, the first replay at 2
+                with pytest.raises(StateMovedError, match="gather_slots"):
+                    compiled(x)
+                break
+            assert torch.equal(compiled(x), want)
+    replays = sum(
+        counts.get("replays", 0)
+        for pieces in backend.stats.values()
+        for keys in pieces.values()
+        for key, counts in keys.items()
+        if key != "refused"
+    )
+    assert replays == (2 if runner == "refills" else 0)
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.UntypedStorage, "_swap_data_ptr_"), reason="this torch cannot move memory"
+)
+def test_a_replay_refuses_an_output_whose_memory_moved_since_capture():
+    """The addresses a replay checks are every storage the record writes, outputs included,
+    not only what it reads: here the pool block the record writes ``out`` into (the output's
+    memory, not a view the program holds) moves, and a CUDA graph would write the old
+    address, so the emulator raises. ``x * w``'s output is read by no later op: only its
+    destination names it."""
+    x, w = torch.randn(4), torch.randn(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda: x * w)
+    g.replay()
+    assert torch.equal(out, x * w)
+    record = g.pool.block_of(out).record
+    record._swap_data_ptr_(record.clone())
     with pytest.raises(MovedMemoryError, match="would read and write its old address"):
         g.replay()

@@ -81,13 +81,15 @@ def test_sdpa_kernel_keeps_what_it_governs_eager_in_one_piece():
     assert counters.snapshot()["replays"] > 0
 
 
-def test_a_piece_that_changes_global_state_is_never_captured():
+@pytest.mark.parametrize("warmup_runs", [0, 1, 2])
+def test_a_piece_that_changes_global_state_is_never_captured(warmup_runs):
     """A setter called once in a graph (the state it sets holds on past a graph break, where
     a later graph restores it): a replay runs none of a captured piece's Python, so the
     default dtype would stay unset for everything after it (``arange(4) * 0.1`` in float32
     where eager gives float64). A piece whose run changed the state Dynamo guards on (here
     each graph's only piece: one sets, the other restores) runs uncaptured from then on,
-    counted and warned once."""
+    counted and warned once. The state is checked after warm-up runs and after the capture
+    run alike: with ``warmup_runs=0`` the capture run is the first the piece has."""
 
     def f(x):
         h = x.relu() * 2
@@ -99,13 +101,13 @@ def test_a_piece_that_changes_global_state_is_never_captured():
         torch.set_default_dtype(torch.float32)
         return h * 3, wide, later
 
-    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[], warmup_runs=warmup_runs)
     model = torch.compile(f, backend=backend)
     with (
         torch.no_grad(),
         pytest.warns(fxsplit.FxsplitRuntimeWarning, match=r"changes global state \(default_dtype"),
     ):
-        for step in range(4):
+        for step in range(warmup_runs + 4):
             x = torch.randn(2, 8)
             got, want = model(x), f(x)
             assert all(a.dtype == b.dtype for a, b in zip(got, want, strict=True)), step

@@ -533,3 +533,80 @@ def test_an_output_handed_back_in_and_kept_by_an_eager_op_keeps_its_values():
     assert counters.snapshot()["replays"] > 0
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), (step, (g - w).abs().max().item())
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_one_backends_output_fed_to_a_model_on_another_backend_is_fxsplits_memory(runner):
+    """A pipeline of two models, each compiled with its own Backend (``m2(m1(buf))``): the
+    first one's output is fxsplit's memory for the second too, so it is bound by copy, never
+    by address as a caller's persistent buffer would be (a later replay of the first moves or
+    overwrites it: MovedMemoryError in the emulator, a stale read on a GPU)."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4).eval(), nn.Linear(4, 4).eval()
+    backends = [fxsplit.Backend(capture="emulate", eager_regions=[], runner=runner) for _ in "ab"]
+    one, two = (torch.compile(m, backend=b) for m, b in zip((first, second), backends, strict=True))
+    buffer = torch.zeros(2, 4)  # the runner's persistent input, refilled in place
+    with torch.no_grad():
+        for _ in range(5):
+            buffer.copy_(torch.randn(2, 4))
+            assert torch.equal(two(one(buffer)), second(first(buffer)))
+    assert counters.snapshot()["replays"] == 2 * 3
+
+
+def test_an_output_held_across_a_weight_reload_keeps_its_values():
+    """``held = model(x)``, then ``load_state_dict(..., assign=True)``: the rebound weights
+    drop the graphs that read the old ones, and the graphs captured for the new ones reuse the
+    pool's memory. The freed graph's live hand-outs move to memory of their own first
+    (``OutputLedger.release_order``): ``held`` keeps eager's values, moved, never invalidated."""
+    net = Net()
+    model, backend = _compile(net)
+    with torch.no_grad():
+        for step in range(3):
+            model(_x(step))
+        held, want = model(_x(3)), net(_x(3))
+        moved = _ledger(backend).moved
+        replays = counters.snapshot()["replays"]
+        fresh = Net()
+        for p in fresh.parameters():
+            p.mul_(-3)
+        net.load_state_dict({k: v.clone() for k, v in fresh.state_dict().items()}, assign=True)
+        for step in range(4, 8):
+            assert torch.equal(model(_x(step)), net(_x(step))), step
+    assert torch.equal(held, want)
+    assert _ledger(backend).moved > moved and _ledger(backend).invalidated == 0
+    assert replays > 0 and counters.snapshot()["replays"] > replays
+
+
+def test_a_kept_output_a_graph_returns_twice_is_warned_about_before_the_call_returns():
+    """Under ``clone_outputs`` the call's own references to what it returns are not kept ones:
+    each place in the returned values counts once, and each other tensor over the output's
+    storage (a view) once, however many places hold it. A graph returning piece_0's output
+    twice (a plain FX graph: Dynamo would return it once), which an eager op also keeps at the
+    call capturing piece_0 (call 1), is warned about before that call returns its copies
+    (counting the twice-returned output's storage twice over hid the op's reference)."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    def g(x, w):
+        h = (x @ w).relu()
+        return (torch.ops.fxsplit_lifetime.stash_softmax(h) * 2, h, h)
+
+    gm = torch.fx.symbolic_trace(g)
+    x, w = _x(0), torch.randn(D, D)
+    FakeTensorProp(gm).propagate(x, w)
+    for node in gm.graph.nodes:  # the traced values, as Dynamo records them
+        node.meta["example_value"] = node.meta.get("val")
+    backend = fxsplit.Backend(
+        capture="emulate", splitting_ops=["fxsplit_lifetime::stash_softmax"], clone_outputs=True
+    )
+    run = backend(gm, [x, w])
+    STASHED.clear()
+    warned_at = []
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(4):
+            run(_x(step), w)
+            warned_at += [step for m in seen if "still referenced after the call" in str(m.message)]
+            seen.clear()
+    STASHED.clear()
+    assert counters.snapshot()["replays"] > 0
+    assert warned_at == [1], warned_at

@@ -19,6 +19,7 @@ from torch import nn
 import fxsplit
 from fxsplit import counters
 from fxsplit.runtime.binding import RUNNER
+from fxsplit.runtime.captured import own_buffer
 from tests.versions import needs_swap
 from tests.warned import warned_at
 
@@ -93,6 +94,12 @@ def _data(*shape, seed=0):
 
 def _replays() -> int:
     return counters.totals["replays"]
+
+
+def _replays_by_piece(backend) -> dict[str, int]:
+    """Replays of each captured piece of the backend's one graph, every capture key summed."""
+    (pieces,) = backend.stats.values()
+    return {name: sum(c.get("replays", 0) for c in keys.values()) for name, keys in pieces.items()}
 
 
 def test_view_of_previous_output_fed_back_reads_its_own_values():
@@ -261,6 +268,21 @@ def test_reduction_over_non_contiguous_input_replays_bit_exactly():
             x = buf[:, 1:]
             assert torch.equal(cf(x), f(x)), step
     assert _replays() > 0
+
+
+def test_a_static_buffer_keeps_the_callers_strides_and_address_alignment():
+    """A caller's tensor copied into fxsplit's static buffer keeps its strides and its address
+    modulo the allocator's alignment (64 bytes on CPU): a vectorised kernel picks how it splits
+    the data by both (CUDA's by the pointer's alignment), so the replay reduces as eager did."""
+    base = _data(4096)
+    for offset in (0, 1, 3, 17, 600):
+        for value in (
+            base[offset : offset + 1000],
+            base[offset : offset + 64 * 33].view(64, 33)[:, 1:],
+        ):
+            buffer, _ = own_buffer(value)
+            assert buffer.data_ptr() % 64 == value.data_ptr() % 64, offset
+            assert buffer.stride() == value.stride() and torch.equal(buffer, value), offset
 
 
 def test_v2_output_fed_back_as_next_input():
@@ -514,6 +536,7 @@ def test_unchanged_runner_input_is_not_copied_again():
     }
     cache_copies = [n for name, n in copies.items() if "cache" in name]
     assert cache_copies == [1], copies  # the replay after cache.add_ (capture used it as is)
+    assert _replays() == 7 - 2  # calls 2 to 6 replay the captured piece
 
 
 def test_mark_static_address_input_is_never_copied():
@@ -617,17 +640,16 @@ def test_view_output_read_by_a_later_piece_is_never_copied_into():
     replays. Its input (a view of a buffer) must not be bound by identity, or the copy of the
     new view lands inside the buffer."""
     model, ref = _NarrowBuffer(), _NarrowBuffer()
-    cf = torch.compile(
-        model,
-        backend=fxsplit.Backend(capture="emulate", splitting_ops=FRESH),
-        dynamic=True,
-        fullgraph=True,
-    )
+    backend = fxsplit.Backend(capture="emulate", splitting_ops=FRESH)
+    cf = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
     x = _data(5, D, seed=3)
     with torch.no_grad():
         for k in (2, 2, 2, 4, 2, 4):
             assert torch.equal(cf(x, k), ref(x, k)), k
             assert torch.equal(model.w, ref.w), k
+    # piece_0: k=2 captured at the second call, replayed at calls 2 and 4; piece_2 replays from
+    # call 2 on, k=4's first sight (call 3) included
+    assert _replays_by_piece(backend) == {"piece_0": 2, "piece_2": 3}
 
 
 def test_view_of_a_persistent_input_read_by_a_later_piece_under_v2():
@@ -636,7 +658,7 @@ def test_view_of_a_persistent_input_read_by_a_later_piece_under_v2():
         t = torch.ops.fxsplit_own.fresh(x * 2)
         return v * 3 + 1, t
 
-    cf, _ = _compile(f, "fresh", dynamic=True, runner="v2")
+    cf, backend = _compile(f, "fresh", dynamic=True, runner="v2")
     x = torch.empty(6, D)
     with torch.no_grad():
         for step, k in enumerate((2, 2, 2, 4, 2)):
@@ -645,6 +667,9 @@ def test_view_of_a_persistent_input_read_by_a_later_piece_under_v2():
             expected, got = f(snapshot, k), cf(x, k)
             assert torch.equal(x, snapshot), step  # the model never writes x
             assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
+    # piece_0 (keyed by k) replays k=2 at calls 2 and 4; piece_2, reading the view, replays
+    # from call 2 on, with the view k=4 makes at call 3 included
+    assert _replays_by_piece(backend) == {"piece_0": 2, "piece_2": 3}
 
 
 @needs_swap

@@ -181,6 +181,34 @@ def test_an_inductor_setting_enters_the_key(tmp_path):
     assert _run(tmp_path)[0]["piece_cache_hits"] == 2
 
 
+def _with_rows_up_to(root, most: int) -> dict:
+    """``_Sine`` compiled in a fresh process state with its rows marked dynamic in [2, most]:
+    the same graph and code, one assumption of Dynamo's shape environment apart."""
+    inductor.forget()
+    torch._dynamo.reset()
+    counters.reset()
+    backend = fxsplit.Backend(compile_pieces="inductor", cache_dir=str(root))
+    model = _Sine()
+    x = torch.randn(8, 8)
+    torch._dynamo.mark_dynamic(x, 0, min=2, max=most)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        torch.testing.assert_close(out, model(x), **TOLERANCE)
+    return counters.snapshot()
+
+
+def test_the_shape_environments_assumptions_enter_the_key(tmp_path):
+    """What Dynamo's shape environment assumes of a size (here its value range) enters the key:
+    Inductor may simplify with it, and a standalone artifact loads without shape guards, so an
+    artifact compiled for rows <= 16 is never served where rows may reach 64."""
+    found = _with_rows_up_to(tmp_path, 16)
+    assert (found["pieces_compiled"], found["piece_cache_hits"]) == (1, 0)
+    found = _with_rows_up_to(tmp_path, 64)
+    assert (found["pieces_compiled"], found["piece_cache_hits"]) == (1, 0)  # another range
+    found = _with_rows_up_to(tmp_path, 16)
+    assert (found["pieces_compiled"], found["piece_cache_hits"]) == (0, 1)  # nothing changed
+
+
 def test_fxsplits_version_enters_the_key(filled, tmp_path, monkeypatch):
     monkeypatch.setattr(fxsplit, "__version__", fxsplit.__version__ + "+other")
     assert _run(_copy(filled, tmp_path))[0]["pieces_compiled"] == 2
@@ -208,6 +236,34 @@ def test_a_user_ops_python_implementation_enters_the_key(tmp_path):
         implementation.impl("affine", lambda x, s=scale: x * s + 1, "CompositeImplicitAutograd")
         try:
             found, _ = _run(tmp_path, _Affine())  # compares with eager: numbers of this code
+        finally:
+            implementation._destroy()
+        assert (found["pieces_compiled"], found["piece_cache_hits"]) == (compiled, hits)
+
+
+_LIBRARY.define("widen(Tensor x) -> Tensor")
+
+
+class _Widen(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.ops.fxsplit_piece_cache.widen(self.proj(x)).relu().sum(1)
+
+
+def test_a_user_ops_fake_kernel_enters_the_key(tmp_path):
+    """The fake kernel decides the shapes a piece is compiled for; the graph names the op
+    only. Between two runs the op's width changes with its fake kernel: the second run
+    compiles (no stale artifact served, which failed at its first call), a third hits."""
+    for width, compiled, hits in ((8, 1, 0), (16, 1, 0), (16, 0, 1)):
+        implementation = torch.library.Library("fxsplit_piece_cache", "IMPL")
+        implementation.impl("widen", lambda x, w=width: x.repeat(1, w // 8), "CPU")
+        implementation.impl("widen", lambda x, w=width: x.new_empty(x.shape[0], w), "Meta")
+        try:
+            found, _ = _run(tmp_path, _Widen())
         finally:
             implementation._destroy()
         assert (found["pieces_compiled"], found["piece_cache_hits"]) == (compiled, hits)

@@ -155,3 +155,53 @@ def test_class_name_globs_match_module_classes():
 def test_bad_presets_raise_naming_the_value(value, error, message):
     with pytest.raises(error, match=message.replace("[", r"\[").replace("]", r"\]")):
         fxsplit.Backend(presets=value)
+
+
+class OpsAttention(nn.Module):
+    """Attention written as ops, as transformers' ``attn_implementation="eager"`` writes it
+    (scores scaled and masked, softmax in float32, weights cast back and dropped out), beside
+    a mixture-of-experts router (a softmax over a projection's logits, weighting a product)
+    and a softmax between projections by weights (``x @ w``): neither of the last is
+    attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.router = nn.Linear(16, 4)
+        self.w1 = nn.Parameter(torch.randn(16, 16))
+        self.w2 = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) * 0.25 + mask
+        weights = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        h = F.dropout(weights, 0.0, training=False) @ v
+        gate = self.router(h).softmax(-1)
+        h = h * gate.sum(-1, keepdim=True)
+        return ((h @ self.w1).softmax(-1) @ self.w2).relu()
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_attention_written_as_ops_is_found_in_prefill(runner):
+    """No attention op, no KV cache growing: only its shape says it is attention, and both
+    runners run attention eagerly."""
+    x, mask = torch.randn(1, 2, 5, 16), torch.zeros(5, 5)
+    torch._dynamo.reset()
+    backend = fxsplit.Backend(capture="off", runner=runner)
+    with torch.no_grad():
+        torch.compile(OpsAttention(), backend=backend, dynamic=False)(x, mask)
+    (plan,) = backend.plans
+    (eager,) = plan.eager
+    assert eager.reasons == ("preset:eager_attention", "region:attention")
+    # from the scores' product to the weighted values' product; the router's softmax and the
+    # one between projections by weights stay captured
+    assert eager.nodes == ("matmul", "mul", "scores", "softmax", "weights", "dropout", "h")
+
+
+def test_attention_written_as_ops_is_left_alone_without_presets():
+    x, mask = torch.randn(1, 2, 5, 16), torch.zeros(5, 5)
+    torch._dynamo.reset()
+    backend = fxsplit.Backend(capture="off", presets=False, eager_regions=[])
+    with torch.no_grad():
+        torch.compile(OpsAttention(), backend=backend, dynamic=False)(x, mask)
+    assert not backend.plans[0].eager

@@ -983,6 +983,81 @@ def test_verify_compares_random_pieces_with_the_replays_numbers():
     assert backend.plans[0].pieces[0].random
 
 
+@torch.library.custom_op("fxsplit_test_runtime::softmax_into", mutates_args=("out",))
+def _softmax_into(q: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(q.softmax(-1))
+
+
+class FillsAnEmptyBuffer(nn.Module):
+    """A captured piece allocates the output buffer an eager op fills (TensorRT-LLM's and
+    vLLM's ``*_with_output`` attention): what the buffer holds when the piece ends is
+    unspecified, so verify has nothing of it to compare."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.a(x)
+        out = torch.empty_like(q)
+        _softmax_into(q, out)
+        return self.b(out)
+
+
+def test_verify_leaves_out_a_buffer_the_piece_allocates_for_an_eager_op():
+    model = FillsAnEmptyBuffer().eval()
+    backend = _backend(verify=True, splitting_ops=["fxsplit_test_runtime::softmax_into"])
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            assert torch.equal(compiled(x), model(x))
+    assert backend.plans[0].pieces[0].unset == ("out",)
+    assert_replayed(backend)
+
+
+@torch.library.custom_op("fxsplit_test_runtime::grow", mutates_args=("x",))
+def _grow(x: torch.Tensor) -> None:
+    x.resize_(x.numel() * 2)
+
+
+class ResizesAnOutput(nn.Module):
+    """An eager op resizes (``resize_``) a captured piece's output, which lives in the capture
+    memory pool and cannot grow."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        _grow(h)
+        return h.sum()
+
+
+def test_a_resize_of_a_captured_output_names_the_graph_and_the_fix():
+    compiled = torch.compile(
+        ResizesAnOutput().eval(),
+        backend=_backend(splitting_ops=["fxsplit_test_runtime::grow"]),
+    )
+    with torch.no_grad():
+        compiled(torch.randn(2, 4))  # warm-up: eager memory
+        with pytest.raises(RuntimeError, match=r"graph_0: the model resized .* Resize a clone"):
+            compiled(torch.randn(2, 4))
+
+
+def test_a_returned_output_resizes_under_clone_outputs():
+    """A returned output is pool memory handed out (it cannot grow, as with cudagraph trees);
+    ``clone_outputs=True`` returns memory of the caller's own."""
+    compiled = torch.compile(nn.Linear(4, 4).eval(), backend=_backend(clone_outputs=True))
+    with torch.no_grad():
+        for _ in range(3):
+            out = compiled(torch.randn(2, 4))
+    out.resize_(16)
+    assert out.shape == (16,)
+    assert counters.snapshot()["replays"] == 1
+
+
 def test_verify_treats_nan_as_equal_to_nan():
     def f(x):
         return (x * 0.0).log() + x  # log(0) = -inf, and -inf + inf = nan
@@ -1120,3 +1195,17 @@ def test_a_call_while_another_thread_is_inside_one_raises_and_changes_nothing():
         y = torch.randn(3, 8)
         torch.testing.assert_close(compiled(y), model(y))
     assert counters.snapshot()["replays"] > replays
+
+
+def test_a_capture_key_names_an_opaque_object_by_type_and_ordinal_never_an_address():
+    from fxsplit.runtime.stats import key_text
+
+    class Handle:
+        pass
+
+    first, second = Handle(), Handle()
+    text = key_text((4, (Handle, first), (Handle, second), (Handle, first), (int, 3)))
+    assert re.fullmatch(r"4, Handle #(\d+), Handle #(\d+), Handle #\1, int 3", text), text
+    assert "0x" not in text and text == key_text(
+        (4, (Handle, first), (Handle, second), (Handle, first), (int, 3))
+    )

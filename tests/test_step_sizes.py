@@ -87,7 +87,13 @@ def test_growing_cache_runs_eagerly_and_the_rest_replays_every_step(runner):
     assert sum(c["calls"] for c in late) > 0
     assert all(c["replays"] == c["calls"] for c in late), calls
     plan = _dynamic_plan(backend)
-    assert _reasons(plan) == {"dynamic:cache.keys.size(1)"}
+    # the cache's length makes the work over it eager; its matmul + softmax + matmul is
+    # attention too, found by its shape
+    assert _reasons(plan) == {
+        "dynamic:cache.keys.size(1)",
+        "preset:eager_attention",
+        "region:attention",
+    }
     assert [p.kind for p in plan.pieces] == ["captured", "eager", "captured"], plan.format()
     # the cache is an input of the eager piece only: never copied into fxsplit's buffers
     for runtime in backend.runtimes:
@@ -245,7 +251,10 @@ def test_watch_stays_silent_where_pieces_replay():
     backend = fxsplit.Backend(capture="emulate")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _decode(torch.compile(Decoder().eval(), backend=backend))
+        _, calls = _decode(torch.compile(Decoder().eval(), backend=backend))
+    late = calls[REPLAYS_FROM:]
+    assert sum(c["calls"] for c in late) > 0
+    assert all(c["replays"] == c["calls"] for c in late), calls  # silent because they replay
     assert replay_watch.summary("g", {"p": {"k": {"replays": 3, "captures": 1}}}) == (
         "fxsplit g: 1 captured piece, 4 calls: 3 replays (75 %), 1 capture, 0 uncaptured runs"
     )
@@ -325,6 +334,12 @@ def test_watch_stays_silent_over_a_warm_up_of_the_capture_sizes():
         for _ in range(2):
             for size in CAPTURE_SIZES:
                 compiled(torch.randn(size, 8))
+        # a third round replays every size: the warm-up and capture rounds were that, no churn
+        before = counters.snapshot()["replays"]
+        for size in CAPTURE_SIZES:
+            x = torch.randn(size, 8)
+            assert torch.equal(compiled(x), model(x)), size
+    assert counters.snapshot()["replays"] - before == len(CAPTURE_SIZES)
 
 
 def test_watch_still_warns_after_sizes_captured_up_front():
@@ -336,6 +351,7 @@ def test_watch_still_warns_after_sizes_captured_up_front():
         warnings.simplefilter("always")
         backend.capture(compiled, {n: (x, n) for n in range(100, 100 + replay_watch.NEW_KEYS)})
         assert not [w for w in seen if "new capture key" in str(w.message)]
+        assert counters.snapshot()["captures"] == replay_watch.NEW_KEYS  # one per key met
         for n in range(2, 2 + replay_watch.NEW_KEYS):
             compiled(x, n)
     mine = [str(w.message) for w in seen if "new capture key" in str(w.message)]
@@ -445,3 +461,85 @@ class DefaultDtype(nn.Module):
 def test_work_feeding_step_size_nodes_never_moves_past_a_global_setter(capture):
     _equals_eager_step_by_step(DefaultDtype().eval(), capture)
     assert torch.get_default_dtype() == torch.float32
+
+
+# User ops whose Python bodies have effects no schema declares: one draws from the default
+# generator, one bumps a host counter that the other reads.
+_COUNTER = [0]
+
+
+@torch.library.custom_op("fxsplit_test_moves::noisy_positions", mutates_args=())
+def noisy_positions(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) + torch.rand(n)
+
+
+@noisy_positions.register_fake
+def _(n):
+    return torch.empty(n)
+
+
+@torch.library.custom_op("fxsplit_test_moves::counted_positions", mutates_args=())
+def counted_positions(n: int) -> torch.Tensor:
+    _COUNTER[0] += 1
+    return torch.arange(n, dtype=torch.float32) * _COUNTER[0]
+
+
+@counted_positions.register_fake
+def _(n):
+    return torch.empty(n)
+
+
+@torch.library.custom_op("fxsplit_test_moves::scaled_by_count", mutates_args=())
+def scaled_by_count(x: torch.Tensor) -> torch.Tensor:
+    _COUNTER[0] += 1
+    return x * _COUNTER[0]
+
+
+@scaled_by_count.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class UserOpBeforeAnEffect(nn.Module):
+    """Positions over the grown cache made by a user's op, then an effect (a random draw, a
+    counter bump), then work using the positions: the user's op must keep its place before
+    the effect (moved next to its user, it draws the other's numbers or reads another count)."""
+
+    def __init__(self, make, effect):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.make, self.effect = make, effect
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        positions = self.make(cache.keys.shape[1])
+        h = self.lin(self.effect(x))
+        return h + (cache.keys * positions[None, :, None]).sum(1)
+
+
+@pytest.mark.parametrize(
+    ("make", "effect"),
+    [
+        (noisy_positions, torch.rand_like),
+        (noisy_positions, lambda x: nn.functional.dropout(x, 0.5, training=True)),
+        (counted_positions, scaled_by_count),
+    ],
+    ids=["draws_before_rand_like", "draws_before_dropout", "counts_before_another_op"],
+)
+@pytest.mark.parametrize("capture", ["off", "emulate"])
+def test_a_users_op_never_moves_past_an_effect(make, effect, capture):
+    _COUNTER[0] = 0
+    model = UserOpBeforeAnEffect(make, effect).eval()
+
+    def run(fn):
+        torch.manual_seed(0)
+        _COUNTER[0] = 0
+        cache = GrowingCache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    got = run(torch.compile(model, backend=fxsplit.Backend(capture=capture)))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if capture == "emulate":
+        assert counters.snapshot()["replays"] > 0

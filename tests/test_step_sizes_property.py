@@ -5,10 +5,11 @@ Every example is a small program over tensors of the grown cache's length ``n``:
 from ``n`` alone (what moves), aliases of them (views, and aliases made by ops that read another
 tensor too: ``view_as``, ``to``, ``type_as``), pure work, writes to any of them (in-place methods,
 ``out=``, item assignment, through a slice, ``batch_norm``'s running statistics that its schema
-does not declare) and a global setter (``set_default_dtype``) between work and its use. Every
-value feeds the output, so all of it depends on the cache's length and may move next to its
-first user. Under both ``"off"`` and ``"emulate"`` the compiled model returns exactly what eager
-returns on every step.
+does not declare), a global setter (``set_default_dtype``) and effects (random ops, a user's op
+that draws from the generator or bumps a host counter) between work and its use; values may be
+made by a user's op with such an effect. Every value feeds the output, so all of it depends on
+the cache's length and may move next to its first user. Under both ``"off"`` and ``"emulate"``
+the compiled model returns exactly what eager returns on every step.
 """
 
 from __future__ import annotations
@@ -29,10 +30,56 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*is in any region:fxsplit.FxsplitWarning"),
 ]
 
-MAKE = ("arange", "promoted", "ones", "set_default_dtype")
+MAKE = ("arange", "promoted", "ones", "set_default_dtype", "noisy", "counted")
 ALIAS = ("view_as", "to", "type_as", "reshape", "slice_all", "unsqueeze")
 PURE = ("double", "plus_one", "cumsum", "tanh", "sum_of_two", "promoted", "batch_norm")
 WRITE = ("add_", "mul_", "setitem", "copy_", "clamp_", "relu_", "out", "tail_add_", "index_fill_")
+EFFECT = ("rand_like", "dropout", "bernoulli", "noisy_like", "count")
+
+# A user's ops whose Python bodies have effects no schema declares.
+_COUNTER = [0]
+
+
+@torch.library.custom_op("fxsplit_test_move_property::noisy", mutates_args=())
+def _noisy(n: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.float32) + torch.rand(n)
+
+
+@_noisy.register_fake
+def _(n):
+    return torch.empty(n)
+
+
+@torch.library.custom_op("fxsplit_test_move_property::counted", mutates_args=())
+def _counted(n: int) -> torch.Tensor:
+    _COUNTER[0] += 1
+    return torch.arange(n, dtype=torch.float32) * _COUNTER[0]
+
+
+@_counted.register_fake
+def _(n):
+    return torch.empty(n)
+
+
+@torch.library.custom_op("fxsplit_test_move_property::noisy_like", mutates_args=())
+def _noisy_like(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.rand_like(x)
+
+
+@_noisy_like.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxsplit_test_move_property::count", mutates_args=())
+def _count(x: torch.Tensor) -> torch.Tensor:
+    _COUNTER[0] += 1
+    return x * _COUNTER[0]
+
+
+@_count.register_fake
+def _(x):
+    return torch.empty_like(x)
 
 
 def _make(kind, n):
@@ -42,6 +89,10 @@ def _make(kind, n):
         return torch.arange(n) * 0.1
     if kind == "ones":
         return torch.ones(n) * 2
+    if kind == "noisy":
+        return _noisy(n)
+    if kind == "counted":
+        return _counted(n)
     torch.set_default_dtype(torch.float64)
     wide = torch.arange(n) * 0.1
     torch.set_default_dtype(torch.float32)
@@ -94,6 +145,16 @@ def _write(kind, a, b, x):
         a.index_fill_(0, (x[0, 0, :1] * 0).long(), -1.0)
 
 
+def _effect(kind, like):
+    return {
+        "rand_like": lambda: torch.rand_like(like),
+        "dropout": lambda: nn.functional.dropout(like + 1, 0.5, training=True),
+        "bernoulli": lambda: torch.full_like(like, 0.5).bernoulli(),
+        "noisy_like": lambda: _noisy_like(like),
+        "count": lambda: _count(like + 1),
+    }[kind]()
+
+
 class Program(nn.Module):
     """Runs ``program`` (a list of instructions) over the cache's length after growing it."""
 
@@ -115,6 +176,8 @@ class Program(nn.Module):
                 values.append(_alias(kind, a, like))
             elif group == "pure":
                 values.append(_pure(kind, a, b, cache.keys))
+            elif group == "effect":
+                values.append(_effect(kind, like))
             elif a is not b or kind not in ("copy_", "out"):  # never a copy into itself
                 _write(kind, a, b, x)
         total = sum(values)
@@ -131,8 +194,9 @@ def _instruction(group, kinds):
 
 
 # The hazard first: a value, work reading it, an alias of it, then a write to that alias (or a
-# write its schema hides, or a setter); more instructions after.
-HAZARD = st.tuples(
+# write its schema hides, or a setter); or a value, an effect, then work reading the value;
+# more instructions after.
+WRITE_HAZARD = st.tuples(
     _instruction("make", MAKE),
     st.tuples(st.just("pure"), st.sampled_from(PURE[:-1]), st.just(0), st.just(0)),
     st.tuples(st.just("alias"), st.sampled_from(ALIAS), st.just(0), st.just(0)),
@@ -142,6 +206,12 @@ HAZARD = st.tuples(
         st.tuples(st.just("make"), st.just("set_default_dtype"), st.just(0), st.just(0)),
     ),
 )
+EFFECT_HAZARD = st.tuples(
+    _instruction("make", MAKE),
+    _instruction("effect", EFFECT),
+    st.tuples(st.just("pure"), st.sampled_from(PURE[:-1]), st.just(0), st.just(0)),
+)
+HAZARD = st.one_of(WRITE_HAZARD, EFFECT_HAZARD)
 PROGRAMS = st.builds(
     lambda hazard, more: [*hazard, *more],
     HAZARD,
@@ -151,6 +221,7 @@ PROGRAMS = st.builds(
             _instruction("alias", ALIAS),
             _instruction("pure", PURE),
             _instruction("write", WRITE),
+            _instruction("effect", EFFECT),
         ),
         max_size=6,
     ),
@@ -175,11 +246,14 @@ def _same(a, b):
     "off",
 )
 @example([("make", "arange", 0, 0), ("pure", "double", 0, 0), ("pure", "batch_norm", 0, 0)], "off")
+# a user's op that draws, moved past a random op, drew that op's numbers
+@example([("make", "noisy", 0, 0), ("effect", "rand_like", 0, 0), ("pure", "double", 0, 0)], "off")
 def test_moved_work_never_changes_a_number(program, capture):
     model = Program(program).eval()
 
     def run(fn):
         torch.manual_seed(0)
+        _COUNTER[0] = 0
         cache = Cache()
         with torch.no_grad():
             return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]

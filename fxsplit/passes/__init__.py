@@ -85,6 +85,7 @@ def split(
             outputs=module.output_names,
             devices=_devices(part.nodes, (names[n] for n in module.input_names)),
             random=any(op_facts.is_random(n) for n in part.nodes),
+            unset=_unset(part.nodes, module.output_names),
             same_as=module.same_as if module.same_as != module.name else None,
             **({} if fact is None else fact.describe(module.input_names, module.output_names)),
         )
@@ -99,6 +100,19 @@ def split(
         split_seconds=time.perf_counter() - start,
     )
     return Split(plan, gm, marks, parts, done, facts, steps=steps)
+
+
+def _unset(nodes, outputs: tuple[str, ...]) -> tuple[str, ...]:
+    """The outputs a piece allocates (the ``empty`` family) and none of its nodes may write:
+    what they hold when it ends is unspecified."""
+    mine = {n.name: n for n in nodes}
+    return tuple(
+        name
+        for name in outputs
+        if name in mine
+        and op_facts.is_allocation(mine[name])
+        and not any(u.name in mine and op_facts.may_write(u) for u in mine[name].users)
+    )
 
 
 def _devices(nodes, inputs) -> tuple[str, ...]:

@@ -138,6 +138,8 @@ def mark(graph: Graph, policy: Policy, dynamic: dict[Node, tuple[str, ...]] | No
     module_regions = policy.module_regions or None
     eager_modules = policy.eager_modules or None
     presets = policy.presets or None
+    if presets is not None:
+        presets.prepare(graph)
     by_target: dict[object, tuple[str | None, bool]] = {}
     on_accelerator = any(
         isinstance(v := n.meta.get("example_value"), torch.Tensor) and v.device.type != "cpu"

@@ -52,6 +52,7 @@ __all__ = [
     "capture_refusal",
     "host_read",
     "is_allocation",
+    "is_pure",
     "is_random",
     "is_view",
     "may_write",
@@ -420,6 +421,69 @@ def is_view(node: Node) -> bool:
     return False
 
 
+# Namespaces whose ops are torch's own: their kernels are native code doing what the schema
+# and tags say. Any other op (a custom op, an ``allow_in_graph`` function) runs code of the
+# user's, which may draw random numbers or change Python state without any schema saying so.
+_TORCH_NAMESPACES = frozenset({"aten", "prims"})
+# Host arithmetic Dynamo records on SymInts and Python numbers (``n - 1``, ``sym_max``).
+_HOST_MODULES = frozenset({"_operator", "math", "builtins", "torch"})
+_NUMBERS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def is_pure(node: Node) -> bool:
+    """Whether ``node``'s value depends on its arguments alone and computing it changes nothing
+    else, by torch's own facts, so it may run anywhere between its inputs and its first user:
+
+    - not impure for FX (:meth:`torch.fx.Node.is_impure`, which asks
+      ``torch._library.utils.is_impure``: a mutable schema, an effect registered with
+      ``torch.library._register_effectful_op``, torch's side-effectful functions, random
+      ops);
+    - its op is torch's own (``aten``, ``prims``) and no overload it may call draws random
+      numbers (``nondeterministic_seeded``) or writes an argument; a Tensor method with no aten
+      op of its name (``x.float()``) dispatches only to such ops;
+    - or it is host arithmetic on Python values and SymInts (``operator``, ``math``, ``sym_*``).
+
+    A user's op (a custom op, an ``allow_in_graph`` function) is never pure here: its Python
+    body may draw from the generator or bump a counter, which no schema declares.
+    """
+    if node.op not in ("call_function", "call_method") or node.is_impure():
+        return False
+    names = op_names(node)
+    if names is None:  # a Python operator on host values, or a call of no op at all
+        return node.op == "call_function" and _host_arithmetic(node)
+    if names[0].partition("::")[0] not in _TORCH_NAMESPACES:
+        return False
+    overloads = _overloads(names)
+    if not overloads:
+        if node.op == "call_method":
+            ops = _method_ops(node)
+            return ops is not None and all(_pure_op(op) for op in ops)
+        return _host_arithmetic(node)
+    facts = _facts(node)
+    return not (facts.random or facts.writes)
+
+
+def _pure_op(op: Any) -> bool:
+    """A dispatched overload of torch's own that writes nothing and draws nothing."""
+    return (
+        isinstance(op, torch._ops.OpOverload)
+        and op.namespace in _TORCH_NAMESPACES
+        and not op._schema.is_mutable
+        and torch.Tag.nondeterministic_seeded not in op.tags
+    )
+
+
+def _host_arithmetic(node: Node) -> bool:
+    """A function of torch, ``operator``, ``math`` or the builtins making a Python number or
+    SymInt from host values only (no tensor among its inputs; a setter returns nothing)."""
+    module = (getattr(node.target, "__module__", None) or "").partition(".")[0]
+    if module not in _HOST_MODULES or not isinstance(node.meta.get("example_value"), _NUMBERS):
+        return False
+    return not any(
+        isinstance(a.meta.get("example_value"), torch.Tensor) for a in node.all_input_nodes
+    )
+
+
 def may_write(node: Node, dispatch: bool = False) -> bool:
     """Whether the op ``node`` calls may write one of its arguments, from its schemas. A node
     that calls no op the dispatcher knows may; with ``dispatch``, a Tensor method with no aten
@@ -446,21 +510,27 @@ class _Ops(TorchDispatchMode):
 
 
 def _method_writes(node: Node) -> bool:
-    """Whether a Tensor method without arguments may write: the aten ops it dispatches to on an
-    empty meta tensor of the node's dtype, from their schemas. Unknown (it takes arguments, the
-    call fails): it may."""
+    """Whether a Tensor method without arguments may write: the aten ops it dispatches to
+    (:func:`_method_ops`), from their schemas. Unknown: it may."""
+    ops = _method_ops(node)
+    return ops is None or any(op._schema.is_mutable for op in ops)
+
+
+def _method_ops(node: Node) -> list | None:
+    """The ops a Tensor method without arguments dispatches to on an empty meta tensor of the
+    node's dtype; None where that is unknown (it takes arguments, the call fails)."""
     if node.op != "call_method" or len(node.args) != 1 or node.kwargs:
-        return True
+        return None
     value = node.args[0].meta.get("example_value") if isinstance(node.args[0], Node) else None
     if not isinstance(value, torch.Tensor):
-        return True
+        return None
     mode = _Ops()
     try:
         with unset_fake_temporarily(), mode:
             getattr(torch.empty(0, dtype=value.dtype, device="meta"), node.target)()
     except Exception:  # any failure leaves the answer unknown
-        return True
-    return any(op._schema.is_mutable for op in mode.ops)
+        return None
+    return mode.ops
 
 
 def is_random(node: Node) -> bool:

@@ -11,7 +11,9 @@ AOTAutograd, where a user op is a name: an op whose ``CompositeImplicitAutograd`
 implementation (Python code, registered at run time) changes between runs would be served
 from the old artifact, by fxsplit's cache and by AOTAutograd's own. So the code each such op
 decomposes to (traced with ``make_fx`` on the piece's example values) enters PyTorch's key
-itself, through its ``torch.compiler.config.cache_key_tag``, for the key and the compile alike.
+itself, through its ``torch.compiler.config.cache_key_tag``, for the key and the compile alike;
+so do the schema of each custom op and the layouts its fake kernel gave the traced call (a
+fake kernel changed between runs changes the shapes compiled for: :func:`user_ops`).
 
 fxsplit adds what standalone artifacts leave to their caller: what Dynamo's shape environment
 assumes of the inputs' sizes (artifacts load without shape guards), which inputs share storage,
@@ -94,6 +96,9 @@ def key(piece: piece_graph.PieceGraph, dynamic: str, device: str, objects: tuple
         why = "an op's CompositeImplicitAutograd implementation could not be traced"
     elif decompositions:
         tag = _digest(tag, *decompositions)
+    ops = user_ops(piece.graph_module)
+    if ops:  # for AOTAutograd's and Inductor's own caches too, which see the op as a name
+        tag = _digest(tag, repr(ops))
     pytorch_key = None
     if not keys_for_disk():
         why = why or f"torch {torch.__version__} cannot compute PyTorch's key of a piece"
@@ -192,6 +197,32 @@ def _decompositions(graph_module) -> tuple[str, ...] | None:
         except Exception:
             return None
         found.append(f"{target}: {traced.code}")
+    return tuple(found)
+
+
+def user_ops(graph_module) -> tuple[tuple[str, str, tuple], ...]:
+    """Each call of an op that is not torch's own (a custom op), with the op's schema and the
+    layouts its fake kernel gave the traced call (Dynamo's example value of the node). To
+    PyTorch's key such an op is a name, and its fake kernel decides the shapes and strides
+    Inductor compiles for: an artifact compiled under another fake kernel would be served
+    for the same graph, and fail at its first call (or worse)."""
+    found = []
+    for node in graph_module.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(
+            target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+        ):
+            continue
+        if isinstance(target, torch._ops.OpOverload):
+            overloads = (target,)
+        else:
+            overloads = tuple(getattr(target, name) for name in target.overloads())
+        if not overloads or overloads[0].namespace in ("aten", "prims"):
+            continue
+        schema = "; ".join(str(op._schema) for op in overloads)
+        value = node.meta.get("example_value")
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        found.append((str(target), str(schema), piece_graph.layouts(values)))
     return tuple(found)
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from torch.fx import Node
+from torch.fx import Graph, Node
 
+from fxsplit import presets as builtin
+from fxsplit.passes import attention_pattern
 from fxsplit.passes.modules import ModuleMatcher
 from fxsplit.passes.ops import OpMatcher
-from fxsplit.presets import Preset
 
 
 class PresetMatcher:
@@ -19,9 +20,13 @@ class PresetMatcher:
             the first one wins.
     """
 
-    def __init__(self, presets: Iterable[Preset]):
-        self._by_op: dict[str, Preset] = {}
-        self._by_pattern: dict[str, Preset] = {}
+    def __init__(self, presets: Iterable[builtin.Preset]):
+        self._by_op: dict[str, builtin.Preset] = {}
+        self._by_pattern: dict[str, builtin.Preset] = {}
+        presets = tuple(presets)
+        attention = builtin.EAGER_ATTENTION
+        self._attention = attention if attention in presets else None
+        self._found: set[Node] = set()
         for preset in presets:
             for name in preset.ops:
                 self._by_op.setdefault(name, preset)
@@ -31,16 +36,23 @@ class PresetMatcher:
         self._modules = ModuleMatcher({p: p for p in self._by_pattern})
 
     def __bool__(self) -> bool:
-        return bool(self._by_op or self._by_pattern)
+        return bool(self._by_op or self._by_pattern or self._attention)
+
+    def prepare(self, graph: Graph) -> None:
+        """Find what the graph-shaped presets match in ``graph`` (attention written as ops:
+        :mod:`fxsplit.passes.attention_pattern`), before :meth:`match` is asked per node."""
+        self._found = attention_pattern.find(graph) if self._attention is not None else set()
 
     def set_root(self, cls: type | None) -> None:
         """The compiled module's own class (see :meth:`ModuleMatcher.set_root`)."""
         self._modules.set_root(cls)
 
-    def match(self, node: Node, *, ops: bool = True, modules: bool = True) -> list[Preset]:
+    def match(self, node: Node, *, ops: bool = True, modules: bool = True) -> list[builtin.Preset]:
         """The presets ``node`` matches: by its op (when ``ops``) and by its enclosing modules
         (when ``modules``), each preset once, op matches first."""
-        found: list[Preset] = []
+        found: list[builtin.Preset] = []
+        if ops and node in self._found:
+            found.append(self._attention)
         if ops and self._by_op:
             name = self._ops.match(node)
             if name is not None:

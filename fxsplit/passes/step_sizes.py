@@ -139,9 +139,12 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     """Move the pure work that only feeds nodes in ``reasons`` (``arange`` before
     ``arange + past_length``, host arithmetic on a cache's counter) right before its first
     user, into ``reasons`` with its users' reasons: left where Dynamo traced it, it would stand
-    alone between eager nodes as a captured piece of one or two ops. Only work built from host
-    values and constants moves, never a random op (moved past another, it would draw that
-    one's numbers), never past a write to a tensor such work made (``positions[1:].add_(1)``
+    alone between eager nodes as a captured piece of one or two ops. Only pure work
+    (:func:`fxsplit.passes.op_facts.is_pure`: torch's own ops that write nothing, draw nothing
+    and have no registered effect, and host arithmetic) built from host values and constants
+    moves: never a random op (moved past another, it would draw that one's numbers), never a
+    user's op (a custom op or ``allow_in_graph`` function may draw or bump a counter that no
+    schema declares), never past a write to a tensor such work made (``positions[1:].add_(1)``
     between ``doubled = positions * 2`` and its user, or through an alias made by an op that
     reads other tensors too: ``positions.view_as(x).add_(1)``, ``positions.to(x).add_(1)``, or
     by an op whose schema does not declare it: ``batch_norm``'s running statistics), and never
@@ -150,12 +153,9 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     built: set[Node] = set()
     for node in graph.nodes:
         if (
-            node.op in ("call_function", "call_method")
-            and all(a in built or a in constant for a in node.all_input_nodes)
-            and not node.is_impure()
-            and not op_facts.is_random(node)
+            all(a in built or a in constant for a in node.all_input_nodes)
             and not global_state.is_state_node(node)
-            and (node in constant or not op_facts.may_write(node))
+            and op_facts.is_pure(node)
         ):
             built.add(node)
     memory = {m for n in built if (m := _storage(n)) is not None}

@@ -11,7 +11,8 @@ only show up on a GPU. :class:`EmulatedGraph` reproduces them on CPU:
 * ``replay()`` re-runs the record on the same tensors (frozen addresses): data written in place
   into the recorded inputs is seen, a different tensor object is not, Python values seen at capture
   stay frozen, and results are written into the recorded output tensors (the next replay
-  overwrites them).
+  overwrites them). A custom op replays by calling its kernel again, checked to touch the same
+  tensors outside its arguments as at capture (:class:`StateMovedError`).
 
 Everything else about devices is out of reach of a CPU emulator; see :class:`EmulatedGraph` for the
 caveats.
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
@@ -39,7 +41,7 @@ from fxsplit.passes.ops import dispatched_op_name
 from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.storage import storage_ptr
 
-__all__ = ["CaptureError", "EmulatedGraph", "MovedMemoryError", "call_opaque"]
+__all__ = ["CaptureError", "EmulatedGraph", "MovedMemoryError", "StateMovedError", "call_opaque"]
 
 aten = torch.ops.aten
 
@@ -64,6 +66,14 @@ class MovedMemoryError(RuntimeError):
     uses to give a held output memory of its own). The emulator's record would follow the
     storage; a CUDA graph replays kernels on the captured addresses and would read and write
     the old memory, silently: the emulator refuses to differ."""
+
+
+class StateMovedError(MovedMemoryError):
+    """A replay of an :class:`EmulatedGraph` found a custom op touching a tensor outside its
+    arguments (a forward context's metadata, a module attribute, a global) that is another
+    tensor, or at another address, than at capture: the emulator calls the op's kernel again,
+    which reads the current state, where a CUDA graph replays the kernels recorded at capture
+    on the memory they touched then (stale, silently). The emulator refuses to differ."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,35 +143,76 @@ _tls = threading.local()
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 
 
-def _run_checked(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> Any:
-    """Run ``func``; for a non-aten (custom) op, check the aten ops its kernel runs.
+def _run_checked(
+    graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict, parent: _Checker | None = None
+) -> tuple[Any, tuple[_Touched, ...]]:
+    """Run ``func``; for a non-aten (custom) op, check the aten ops its kernel runs and find the
+    tensors it touches outside its arguments (``parent``: the checker of an enclosing custom
+    op's kernel, which hears of them too).
 
     A custom op records and replays as one unit, but its kernel may sync (``.item()`` on a
-    length, ...). Python kernels run with torch-function modes off and with the calling dispatch
-    mode popped, so the kernel is entered by redispatching below the Python key while a checking
-    mode is pushed: every aten op it runs is then checked (not recorded).
+    length, ...) and may read or write tensors that are not among its arguments (an engine's
+    attention reads its metadata from a forward context; any kernel may read a global). Python
+    kernels run with torch-function modes off and with the calling dispatch mode popped, so the
+    kernel is entered by redispatching below the Python key while a checking mode is pushed:
+    every aten op it runs is then checked (not recorded), and the storages it touches noted.
+
+    Returns:
+        ``(result, touched)``: ``touched`` holds each storage the kernel read or wrote that is
+        neither an argument's nor one the kernel made (empty for an aten op).
     """
     if getattr(func, "namespace", "aten") == "aten" or not hasattr(func, "redispatch"):
-        return func(*args, **kwargs)
+        return func(*args, **kwargs), ()
     keys = None
-    for a in tree_leaves((args, kwargs)):
+    leaves = tree_leaves((args, kwargs))
+    for a in leaves:
         if isinstance(a, FakeTensor):  # a legality check on fake tensors: the fake kernel runs
-            return func(*args, **kwargs)
+            return func(*args, **kwargs), ()
         if isinstance(a, torch.Tensor):
             k = torch._C._dispatch_keys(a)
             keys = k if keys is None else keys | k
     if keys is None:
-        return func(*args, **kwargs)
-    with _Checker(graph):
-        return func.redispatch(keys & _BELOW_PYTHON, *args, **kwargs)
+        return func(*args, **kwargs), ()
+    checker = _Checker(graph, _storages(leaves))
+    with checker:
+        out = func.redispatch(keys & _BELOW_PYTHON, *args, **kwargs)
+    touched = tuple(checker.touched.values())
+    if parent is not None:
+        parent.heard(touched)
+    return out, touched
+
+
+class _Touched:
+    """A storage a custom op's kernel touched outside its arguments: the storage (weakly), its
+    address, and what touched it (the tensor's dtype and shape, the aten op) for messages."""
+
+    __slots__ = ("ptr", "ref", "what")
+
+    def __init__(self, storage: torch.UntypedStorage, what: str):
+        self.ref = StorageWeakRef(storage)
+        self.ptr = storage.data_ptr()
+        self.what = what
+
+
+def _storages(leaves) -> set[int]:
+    return {
+        leaf.untyped_storage()._cdata
+        for leaf in leaves
+        if type(leaf) in _PLAIN and leaf.layout == torch.strided
+    }
 
 
 class _Checker(TorchDispatchMode):
-    """Rejects illegal ops without recording them (for the inside of custom op kernels)."""
+    """Rejects illegal ops without recording them (for the inside of custom op kernels); with
+    ``theirs`` (the storages of the custom op's arguments), notes every other storage the ops
+    touch that the kernel did not make itself."""
 
-    def __init__(self, graph: EmulatedGraph) -> None:
+    def __init__(self, graph: EmulatedGraph, theirs: set[int] | None = None) -> None:
         super().__init__()
         self.graph = graph
+        self.theirs = theirs
+        self.touched: dict[int, _Touched] = {}
+        self._made: set[int] = set()
 
     supports_higher_order_operators = True
 
@@ -172,7 +223,67 @@ class _Checker(TorchDispatchMode):
         bad = _illegal_op(func, args, kwargs)
         if bad is not None:
             self.graph._fail(*bad)
-        return _run_checked(self.graph, func, args, kwargs)
+        out, _ = _run_checked(self.graph, func, args, kwargs, self)
+        if self.theirs is not None:
+            self._note(func, tree_leaves((args, kwargs)), tree_leaves(out))
+        return out
+
+    def _note(self, func, inputs: list, outputs: list) -> None:
+        seen = _storages(inputs)
+        for leaf in outputs:  # a fresh result is the kernel's own memory
+            if type(leaf) in _PLAIN and leaf.layout == torch.strided:
+                cdata = leaf.untyped_storage()._cdata
+                if cdata not in seen:
+                    self._made.add(cdata)
+        for leaf in inputs:
+            if type(leaf) not in _PLAIN or leaf.layout != torch.strided:
+                continue
+            storage = leaf.untyped_storage()
+            cdata = storage._cdata
+            if cdata in self.theirs or cdata in self._made or cdata in self.touched:
+                continue
+            what = f"a {leaf.dtype} tensor of shape {tuple(leaf.shape)} (read by {_op_name(func)})"
+            self.touched[cdata] = _Touched(storage, what)
+
+    def heard(self, touched: tuple[_Touched, ...]) -> None:
+        """A custom op called inside this kernel touched these outside its own arguments."""
+        for found in touched:
+            cdata = found.ref.cdata
+            if cdata not in self.theirs and cdata not in self._made:
+                self.touched.setdefault(cdata, found)
+
+
+class _ReadsState:
+    """Replays a custom op whose kernel touched tensors outside its arguments at capture: each
+    replay runs it checked and raises :class:`StateMovedError` where it touches a storage that
+    is another one, or at another address, than at capture."""
+
+    __slots__ = ("func", "graph", "name", "touched")
+
+    def __init__(self, graph: EmulatedGraph, func: Any, touched: tuple[_Touched, ...]):
+        self.graph = graph
+        self.func = func
+        self.name = _op_name(func)
+        self.touched = {t.ref.cdata: t for t in touched}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out, now = _run_checked(self.graph, self.func, args, kwargs)
+        for found in now:
+            was = self.touched.get(found.ref.cdata)
+            if was is None or was.ref.expired():
+                how = "another tensor than the one it touched"
+            elif was.ptr != found.ptr:
+                how = "the tensor it touched, but at another address than"
+            else:
+                continue
+            op = self.name.split(".")[0]
+            raise StateMovedError(
+                f"{self.name} touched {found.what} outside its arguments, {how} at capture; a "
+                "CUDA graph replays the capture's kernels on the capture's memory and would "
+                "read and write that instead, silently. Keep such state in a persistent buffer "
+                f"updated in place, or run the op eagerly (splitting_ops=[{op!r}])"
+            )
+        return out
 
 
 def _run_hop(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -231,7 +342,10 @@ class _Recorder(TorchDispatchMode):
             bad = _illegal_op(func, args, kwargs)
             if bad is not None:
                 self.graph._fail(*bad)
-            out = _run_checked(self.graph, func, args, kwargs)
+            out, touched = _run_checked(self.graph, func, args, kwargs)
+            if touched:
+                call = _ReadsState(self.graph, func, touched)
+                return self._record(func, args, kwargs, out, call)
         return self._record(func, args, kwargs, out)
 
     def _alias(self, value: Any) -> Any:
@@ -284,9 +398,11 @@ class _Recorder(TorchDispatchMode):
             out.append(adopted)
         return out
 
-    def _record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
-        """Record ``func``'s call; returns ``out`` as the program gets it (moved into the
-        pool)."""
+    def _record(
+        self, func: Any, args: tuple, kwargs: dict, out: Any, call: Callable | None = None
+    ) -> Any:
+        """Record ``func``'s call (replayed through ``call``, else ``func`` itself); returns
+        ``out`` as the program gets it (moved into the pool)."""
         name = _op_name(func)
         if func in _ALLOC_OPS:
             self.actions.append((name, "skip:alloc"))
@@ -312,7 +428,7 @@ class _Recorder(TorchDispatchMode):
 
         schema = getattr(func, "_schema", None)
         mutable = schema is None or schema.is_mutable
-        call = _callable(func)
+        call = _callable(func) if call is None else call
         if is_collective(func):
             # Its result is not ready until the program's wait_tensor, which records as a view
             # (skipped). The replay waits right after issuing instead, then copies, so every
@@ -537,10 +653,17 @@ class EmulatedGraph:
     * ``synchronize`` is caught by patching ``torch.cuda`` / ``torch.cpu`` / ``torch.accelerator``
       and the CUDA ``Stream``/``Event`` classes during capture; a reference bound before capture
       (``from torch.cuda import synchronize``) escapes it.
-    * Custom ops record and replay as one unit. The aten ops their kernels run are checked (an
-      ``.item()`` or ``nonzero`` inside is caught), but host reads that never reach the dispatcher
-      on CPU (``.tolist()``, ``.numpy()``) inside a kernel are not: torch-function modes are off
-      inside dispatcher kernels.
+    * Custom ops record and replay as one unit: a replay calls the op's kernel again, where a
+      CUDA graph replays the kernels it launched at capture. The aten ops the kernel runs are
+      checked (an ``.item()`` or ``nonzero`` inside is caught), and the tensors it reads or
+      writes outside its arguments (a forward context's metadata, a module attribute, a
+      global) are noted at capture: every replay checks it touches the same ones at the same
+      addresses and raises :class:`StateMovedError` otherwise (a CUDA graph would touch the
+      capture's memory, silently). Not seen: host reads that never reach the dispatcher on CPU
+      (``.tolist()``, ``.numpy()``) inside a kernel (torch-function modes are off inside
+      dispatcher kernels); Python values the kernel reads outside its arguments (a step
+      counter: a CUDA graph froze the value, the emulator reads it afresh); memory a kernel
+      reaches through a raw pointer rather than a tensor.
     * Collectives' results stay outside the pool (their ``wait_tensor`` finds them by identity),
       and so do tensors that require grad.
     * Replay runs without autograd (under ``inference_mode``, which may write the inference

@@ -35,6 +35,8 @@ from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 log = logging.getLogger("fxsplit")
 
 _GRAD = "grad is enabled and an input requires grad"
+# torch's message for a resize_ of a storage over memory it does not own (a pool's)
+_NOT_RESIZABLE = "Trying to resize storage that is not resizable"
 # Calls a rebound parameter must hold still before it is read by address again: a model that
 # rebinds its state hands a new tensor every call, so it never gets there.
 _SETTLED = 3
@@ -85,6 +87,7 @@ class CaptureSession:
         self._lock = threading.Lock()  # held by the thread inside a call (own / disown)
         self._owner: int | None = None
         self._owned = 0
+        _SESSIONS.add(self)
 
     def own(self, graph_id: str) -> None:
         """The calling thread enters a call of a graph (again, where it is already inside one:
@@ -166,20 +169,27 @@ class CaptureSession:
         )
 
     def produced(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives in memory fxsplit produced (see the class docstring)."""
-        storage = tensor.untyped_storage()
-        cdata = storage._cdata
+        """Whether ``tensor`` lives in memory fxsplit produced, by this backend or any other of
+        the process (see the class docstring): one model's output handed to another model
+        compiled with another backend is fxsplit's memory there too, never the caller's."""
+        cdata = tensor.untyped_storage()._cdata
+        return any(session._produced_here(tensor, cdata) for session in _SESSIONS)
+
+    def _produced_here(self, tensor: torch.Tensor, cdata: int) -> bool:
         if cdata in self._taken:
             return True
         for outputs in self._outputs.values():
             found = outputs.get(cdata)
             if found is not None and not found[0].expired():
                 return True
-        return self.in_pool(tensor)
+        return self._in_pool_here(tensor)
 
     def in_pool(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives in a memory pool: a captured graph's output (handed out or
-        not), whose memory later replays and captures reuse."""
+        """Whether ``tensor`` lives in a memory pool of any backend of the process: a captured
+        graph's output (handed out or not), whose memory later replays and captures reuse."""
+        return any(session._in_pool_here(tensor) for session in _SESSIONS)
+
+    def _in_pool_here(self, tensor: torch.Tensor) -> bool:
         if not self.pools:
             return False
         ptr = tensor.untyped_storage().data_ptr()
@@ -249,7 +259,7 @@ class CaptureSession:
         if tensor.is_inference():
             return None
         ptr = storage_ptr(tensor)
-        if any(ptr in pool.owners for pool in self.pools.values()):
+        if any(ptr in pool.owners for session in _SESSIONS for pool in session.pools.values()):
             return None
         return weakref.ref(tensor), tensor._version, tensor.data_ptr()
 
@@ -279,6 +289,11 @@ class CaptureSession:
             yield
         finally:
             self.exit()
+
+
+# Every live session of the process: which memory fxsplit produced is one question for all of
+# them (one backend's outputs handed to a model compiled with another).
+_SESSIONS: weakref.WeakSet[CaptureSession] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -501,9 +516,16 @@ class GraphRuntime:
         out = ()
         try:
             out = self._forward(*args)
-        except BaseException:
+        except BaseException as error:
             if pool is not None:  # the exception's frames hold outputs the model never kept
                 pool.references.forgive()
+            if isinstance(error, RuntimeError) and _NOT_RESIZABLE in str(error):
+                raise RuntimeError(
+                    f"fxsplit {self.graph_id}: the model resized (resize_) a tensor in a "
+                    "capture memory pool, an output of a captured piece; pool memory cannot "
+                    "grow. Resize a clone (t = t.clone(); t.resize_(...)), or run the op that "
+                    "resizes it eagerly (splitting_ops) with the work making that tensor"
+                ) from error
             raise
         finally:
             session.exit()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import torch
@@ -54,15 +55,40 @@ class PieceStats:
 
 def key_text(key: tuple) -> str:
     """A capture key as text: ``"4, (4, 8), float 2.0, bool True"``: a size or a shape as is,
-    a host value with its type (so ``1``, ``1.0`` and ``True`` stay three keys), a module (a
-    branch of ``torch.cond``) by its address."""
+    a host value with its type (so ``1``, ``1.0`` and ``True`` stay three keys), any other
+    object (a branch of ``torch.cond``, an opaque object) by its type and the order in which
+    this process first showed one of that type (``"GraphModule #2"``): never by its address,
+    which differs from run to run and which the allocator hands out again."""
     parts = []
     for part in key:
         if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):
             cls, value = part
-            # a module (a higher-order op's branch) is keyed by identity; its text is its code
-            shown = f"at 0x{id(value):x}" if isinstance(value, torch.nn.Module) else value
+            shown = value if isinstance(value, _PLAIN) else f"#{_ordinal(value)}"
             parts.append(f"{cls.__name__} {shown}")
         else:
             parts.append(str(tuple(part)) if isinstance(part, tuple) else str(part))
     return ", ".join(parts)
+
+
+_PLAIN = (int, float, bool, complex, str, type(None), torch.SymInt, torch.SymFloat, torch.SymBool)
+# object -> its ordinal among the objects of its type shown so far (objects that cannot be
+# weakly referenced are held by id with a strong reference, so the id stays theirs)
+_ORDINALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_HELD: dict[int, tuple[object, int]] = {}
+_SHOWN: Counter = Counter()
+
+
+def _ordinal(value: object) -> int:
+    try:
+        found = _ORDINALS.get(value)
+    except TypeError:  # unhashable, or no weak reference to it
+        held = _HELD.get(id(value))
+        found = held[1] if held is not None else None
+    if found is None:
+        _SHOWN[type(value)] += 1
+        found = _SHOWN[type(value)]
+        try:
+            _ORDINALS[value] = found
+        except TypeError:
+            _HELD[id(value)] = (value, found)
+    return found

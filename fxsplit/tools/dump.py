@@ -78,6 +78,12 @@ Graphviz (the `dot` program) where it is missing and rerun, or render the source
     dot -Tsvg split.dot -o split.svg
 """
 
+_PACKAGE_NOTE = """\
+split.svg and split.dot were not written: {why}
+
+Everything else in this folder was. Install the package and rerun to get the picture.
+"""
+
 _counter = itertools.count()
 _counter_lock = threading.Lock()
 
@@ -353,7 +359,14 @@ DOT_TIMEOUT_S = 60.0
 
 
 def _write_picture(folder: Path, split) -> None:
-    source = split_graph(split).source
+    try:
+        source = split_graph(split).source
+    except ImportError as error:  # a dump aid never stops a model
+        why = f"the graphviz Python package is not installed ({error}): pip install graphviz"
+        (folder / "split_svg_missing.txt").write_text(
+            _PACKAGE_NOTE.format(why=why), encoding="utf-8"
+        )
+        return
     (folder / "split.dot").write_text(source, encoding="utf-8")
     dot = shutil.which("dot")
     if dot is None:
