@@ -4,7 +4,7 @@ Importing torch (and the user's model module, which imports it) takes seconds, t
 busy machine: a typo in ``MODULE:FACTORY``, ``--options`` or ``--runner`` is answered before
 that, in the words :class:`fxsplit.config.Config` would use. This module imports nothing heavy,
 so it holds the few facts it needs itself (the option names, the values of the options with a
-fixed set of them, the built-in runners); ``tests/test_cli.py`` keeps them equal to
+fixed set of them, the built-in runners); ``tests/test_cli_checks.py`` keeps them equal to
 ``fxsplit.config`` and ``fxsplit.runners``, whose full validation still runs after the import.
 """
 
