@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import cache, counters, precompile, trace
+from fxsplit import cache, capture_off, counters, precompile, trace
 from fxsplit.config import Config
 from fxsplit.config_checks import ConfigChecks, WarnOnSecondCall
 from fxsplit.distributed import check_ranks
@@ -36,6 +36,10 @@ from fxsplit.runtime.graph_runtime import (
 from fxsplit.tools import dump
 
 log = logging.getLogger("fxsplit")
+
+# torch.compile's modes fxsplit takes: transformers' CompileConfig passes "reduce-overhead" (CUDA
+# graphs) by default.
+_MODES = (None, "default", "reduce-overhead")
 
 
 class Backend:
@@ -72,6 +76,12 @@ class Backend:
         self._lock = threading.Lock()
         self.checks = ConfigChecks()
 
+    def __deepcopy__(self, memo) -> Backend:
+        """The backend itself, not a copy: it owns the graphs, pools and plans its caller reads
+        back. transformers deep-copies a ``CompileConfig`` (backend included) before it
+        compiles; a copy would compile into a second backend the caller never sees."""
+        return self
+
     def __repr__(self) -> str:
         default = Config()
         changed = [
@@ -93,7 +103,8 @@ class Backend:
         """Split ``gm`` and return the callable Dynamo runs in its place.
 
         Raises:
-            ValueError: ``mode`` other than "default", or a bad option.
+            ValueError: ``mode`` other than "default" or "reduce-overhead" (which asks for
+                CUDA graphs: fxsplit's own job, so it changes nothing), or a bad option.
             TypeError: an unknown keyword from torch, or an option of the wrong type.
             fxsplit.distributed.RankMismatchError: ranks split the graph differently (with
                 ``torch.distributed`` initialised and ``check_ranks`` on).
@@ -102,10 +113,12 @@ class Backend:
             raise TypeError(
                 f"fxsplit backend got unexpected keyword(s) {sorted(kwargs)}; it takes options=..."
             )
-        if mode not in (None, "default"):
+        if mode not in _MODES:
             raise ValueError(
-                f"fxsplit does not take torch.compile(mode={mode!r}); leave mode unset and pass "
-                "fxsplit's own settings as options={...}"
+                f"fxsplit does not take torch.compile(mode={mode!r}); it takes mode 'default' or "
+                "'reduce-overhead' (CUDA graphs, which fxsplit captures per piece: its capture "
+                "option decides), or leave mode unset and pass fxsplit's own settings as "
+                "options={...}"
             )
         config = Config.from_options(options, base=self.config) if options else self.config
         frame = _frame(gm)
@@ -134,6 +147,7 @@ class Backend:
             fxsplit.distributed.RankMismatchError: see :meth:`__call__`.
         """
         mode, device = _run_mode(config, example_inputs)  # fail before any work
+        capture_off.tell_once(config.capture, _cuda_device(example_inputs))
         graph_id = self._next_graph_id()
         graph_code = gm.code if config.dump_folder else ""  # the split edits the graph in place
         policy = _policy(config, frame)

@@ -152,9 +152,11 @@ def _choice(choices: tuple[str, ...]):
         if not isinstance(value, str):
             raise _type_error(key, value, f"one of {', '.join(map(repr, choices))}")
         if value not in choices:
+            close = difflib.get_close_matches(value.strip().lower(), choices, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ValueError(
                 f"fxsplit option {key}={value!r} is not allowed; "
-                f"choose one of {', '.join(map(repr, choices))}"
+                f"choose one of {', '.join(map(repr, choices))}{hint}"
             )
         return value
 

@@ -12,7 +12,12 @@ from __future__ import annotations
 import difflib
 
 from fxsplit import runners
+from fxsplit.passes.modules import module_path
+from fxsplit.passes.ops import op_names
 from fxsplit.warn import warn_at_caller
+
+# Each pattern option, and the kind of name its patterns match (what a did-you-mean offers).
+_PATTERN_OPTIONS = {"splitting_ops": "ops", "module_regions": "modules", "eager_modules": "modules"}
 
 
 class ConfigChecks:
@@ -24,7 +29,8 @@ class ConfigChecks:
     def reset(self) -> None:
         """Forget every graph (``torch._dynamo.reset()``); warnings given may be given again."""
         self._matched: set[str] = set()
-        self._unmatched: set[str] = set()
+        self._unmatched: dict[str, tuple[str, ...]] = {}  # pattern -> the options naming it
+        self._seen: dict[str, set[str]] = {"ops": set(), "modules": set()}  # names graphs hold
         self._regions_seen: set[str] = set()
         self._configured_regions: set[str] = set()
         self._eager_seen = False
@@ -36,7 +42,13 @@ class ConfigChecks:
         carry, whether any piece is eager."""
         self._matched |= policy.splitting_ops.used | policy.module_regions.used
         self._matched |= policy.eager_modules.used
-        self._unmatched |= set(policy.unused_patterns())
+        unused = policy.unused_patterns()
+        for pattern in unused:
+            self._unmatched[pattern] = tuple(
+                option for option in _PATTERN_OPTIONS if pattern in _patterns(policy, option)
+            )
+        if unused:  # what a misspelt pattern may have meant: only then worth a walk
+            _names_in(marks.nodes, self._seen)
         self._regions_seen.update(r for names in marks.regions.values() for r in names)
         self._configured_regions |= set(config.eager_regions or ())
         self._configured_regions |= set(config.module_regions.values())
@@ -55,7 +67,8 @@ class ConfigChecks:
     def warn(self) -> None:
         """Warn once per mistake the graphs compiled so far show:
 
-        * a ``splitting_ops`` / ``module_regions`` / ``eager_modules`` pattern no node matched;
+        * a ``splitting_ops`` / ``module_regions`` / ``eager_modules`` pattern no node matched
+          (naming its option and the closest op or module name the graphs hold);
         * a region name (``eager_regions``, a ``module_regions`` value, a ``fxsplit.region``
           in model code) no runner knows, close to one that is known (``"attenion"``);
         * a runner that wants regions eager where no node is in any region and nothing is eager
@@ -67,12 +80,8 @@ class ConfigChecks:
 
     def _due(self) -> list[tuple[str, str]]:
         due = [
-            (
-                pattern,
-                f"fxsplit: {pattern!r} (splitting_ops / module_regions / eager_modules) "
-                "matched no node of the graphs compiled so far",
-            )
-            for pattern in sorted(self._unmatched - self._matched - self._warned)
+            (pattern, self._unmatched_message(pattern))
+            for pattern in sorted(self._unmatched.keys() - self._matched - self._warned)
         ]
         known = {r for name in runners.names() for r in runners.get(name).eager_regions}
         # A misspelt name marks nodes too (fxsplit.region("atention"), a module_regions value):
@@ -105,6 +114,50 @@ class ConfigChecks:
                 )
             )
         return due
+
+    def _unmatched_message(self, pattern: str) -> str:
+        """Which option's pattern matched nothing, and the closest name the graphs hold."""
+        options = self._unmatched[pattern]
+        names = set().union(*(self._seen[_PATTERN_OPTIONS[o]] for o in options))
+        close = difflib.get_close_matches(
+            pattern, sorted({_shaped(pattern, n) for n in names}), n=1
+        )
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return (
+            f"fxsplit: {' / '.join(options)} pattern {pattern!r} matched no node of the graphs "
+            f"compiled so far{hint}"
+        )
+
+
+def _shaped(pattern: str, name: str) -> str:
+    """``name`` with the path components a glob ``pattern`` leaves open as the pattern's
+    (``"layers.*.ln"``, ``"layers.0.lin"`` -> ``"layers.*.lin"``), so what a misspelt glob is
+    offered is a glob too."""
+    parts, theirs = pattern.split("."), name.split(".")
+    if len(parts) != len(theirs):
+        return name
+    return ".".join(p if p in ("*", "**") else n for p, n in zip(parts, theirs, strict=True))
+
+
+def _patterns(policy, option: str) -> list[str]:
+    matcher = getattr(policy, option)
+    return matcher.names if option == "splitting_ops" else matcher.patterns
+
+
+def _names_in(nodes, seen: dict[str, set[str]]) -> None:
+    """Add to ``seen`` the names patterns could match in ``nodes``: op names (``"ns::op"`` and
+    ``"ns::op.overload"``) and enclosing modules' class names and paths."""
+    ops, modules = seen["ops"], seen["modules"]
+    for node in nodes:
+        names = op_names(node)
+        if names is not None:
+            base, overload = names
+            ops.add(base)
+            if overload is not None:
+                ops.add(f"{base}.{overload}")
+        for dynamo_path, cls in (node.meta.get("nn_module_stack") or {}).values():
+            modules.add(module_path(dynamo_path))
+            modules.add(cls.rpartition(".")[2] if isinstance(cls, str) else cls.__name__)
 
 
 class WarnOnSecondCall:

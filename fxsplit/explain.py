@@ -7,7 +7,9 @@ from collections.abc import Iterator
 
 import torch
 
+from fxsplit import capture_off
 from fxsplit.backend import Backend
+from fxsplit.config import Config
 from fxsplit.plan import SplitPlan
 
 
@@ -25,16 +27,31 @@ def explain(model, *args, kwargs: dict | None = None, **options) -> list[SplitPl
     Args:
         model: an ``nn.Module`` or function.
         args / kwargs: the model's positional and keyword arguments.
-        options: fxsplit options (``capture`` is forced to ``"off"``).
+        options: fxsplit options (``capture`` is forced to ``"off"``; where the options'
+            own capture would capture nothing here, one line on the ``fxsplit`` logger says
+            so, as the backend's first graph would: :mod:`fxsplit.capture_off`).
 
     Raises:
         ValueError / TypeError: bad options, before anything is compiled.
     """
+    requested = Config.from_options(options).capture  # checked before explain turns it off
     backend = Backend(**{**options, "capture": "off"})
+    capture_off.tell_once(requested, _cuda_device(model, args, kwargs))
     with _dropping_new_cache_entries():
         torch.compile(model, backend=backend)(*args, **(kwargs or {}))
     backend.checks.warn()  # the call compiled every graph it needs
     return list(backend.plans)
+
+
+def _cuda_device(model, args, kwargs) -> torch.device | None:
+    """The CUDA device of the model's first tensor on one (parameters, buffers, arguments)."""
+    tensors = [*args, *(kwargs or {}).values()]
+    if isinstance(model, torch.nn.Module):
+        tensors += [*model.parameters(), *model.buffers()]
+    return next(
+        (t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
+        None,
+    )
 
 
 @contextlib.contextmanager

@@ -10,6 +10,11 @@ the level is computed from the stack at the time of the warning:
 * :func:`warn_in_model_code` points at the nearest line outside fxsplit, torch and the standard
   library even inside compiled code: the model code that called fxsplit (``fxsplit.region``).
 
+Where fxsplit itself calls the model (the ``fxsplit dump`` / ``diff`` commands), the line that
+called compiled code is fxsplit's, and the nearest one outside is the ``fxsplit`` script:
+:func:`attributed_to` names the user's own location (the factory in the model's file) for the
+warnings :func:`warn_at_caller` gives inside its block.
+
 ``skip_file_prefixes`` (Python 3.12+) would do the second, not the first; fxsplit supports 3.10.
 This module imports nothing heavy: pytest's ``filterwarnings`` imports it to resolve
 :class:`FxsplitWarning`.
@@ -17,13 +22,22 @@ This module imports nothing heavy: pytest's ``filterwarnings`` imports it to res
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import sys
 import sysconfig
 import types
 import warnings
+from collections.abc import Iterator
 
-__all__ = ["FxsplitRuntimeWarning", "FxsplitWarning", "warn_at_caller", "warn_in_model_code"]
+__all__ = [
+    "FxsplitRuntimeWarning",
+    "FxsplitWarning",
+    "attributed_to",
+    "warn_at_caller",
+    "warn_in_model_code",
+]
 
 
 class FxsplitWarning(UserWarning):
@@ -98,10 +112,32 @@ def _stacklevel(start: types.FrameType, target: types.FrameType | None) -> int:
     return level if frame is target and target is not None else 1
 
 
+_LOCATION: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "fxsplit_warning_location", default=None
+)
+
+
+@contextlib.contextmanager
+def attributed_to(filename: str, lineno: int) -> Iterator[None]:
+    """Within the block, :func:`warn_at_caller` names ``filename:lineno`` (the user's code that
+    fxsplit runs on the user's behalf)."""
+    token = _LOCATION.set((filename, lineno))
+    try:
+        yield
+    finally:
+        _LOCATION.reset(token)
+
+
 def warn_at_caller(message: str, category: type[Warning] = FxsplitWarning) -> None:
     """Warn with ``message`` at the line that called ``torch.compile``'d code, or outside compiled
     code at the nearest line outside fxsplit, torch and the standard library (where there is
-    none: at the caller of this function)."""
+    none: at the caller of this function); inside :func:`attributed_to`, at its location."""
+    location = _LOCATION.get()
+    if location is not None:
+        filename, lineno = location
+        module = os.path.splitext(os.path.basename(filename))[0]
+        warnings.warn_explicit(message, category, filename, lineno, module=module)
+        return
     here = sys._getframe(0)
     entry = target = None
     try:

@@ -1,12 +1,12 @@
-"""Recompute the README's Hugging Face coverage table and write it between its markers.
+"""Recompute docs/coverage.md's Hugging Face coverage table and write it between its markers.
 
 Compiles every architecture of ``fxsplit.models.hf_architectures`` under runners v1 and v2 with
 ``backend="fxsplit"`` (capture emulated, prefill + 12 decode steps with a ``DynamicCache`` and
 again with a ``StaticCache``, about 30 minutes on 2 CPU cores) and rewrites the section between
 ``fxsplit.tools.coverage.BEGIN`` and ``END``.
-``--check`` only compares and exits 1 when the README is stale.
+``--check`` only compares and exits 1 when the page is stale.
 
-    python3 scripts/coverage_table.py [--check] [--readme README.md]
+    python3 scripts/coverage_table.py [--check] [--page docs/coverage.md]
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from fxsplit.tools import coverage
 
 
 def main() -> int:
-    """Compute the table; write it into the README (or compare with ``--check``)."""
+    """Compute the table; write it into the page (or compare with ``--check``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = Path(__file__).resolve().parent.parent / "README.md"
-    parser.add_argument("--readme", type=Path, default=default, help="README to rewrite")
+    default = Path(__file__).resolve().parent.parent / "docs" / "coverage.md"
+    parser.add_argument("--page", type=Path, default=default, help="page to rewrite")
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 if stale")
     args = parser.parse_args()
     results = []
@@ -43,13 +43,13 @@ def main() -> int:
                     file=sys.stderr,
                 )
     body = coverage.table(results)
-    text = args.readme.read_text(encoding="utf-8")
+    text = args.page.read_text(encoding="utf-8")
     if args.check:
         stale = coverage.section(text) != body
-        print("README coverage table is stale" if stale else "README coverage table is current")
+        print("the coverage table is stale" if stale else "the coverage table is current")
         return 1 if stale else 0
-    args.readme.write_text(coverage.replace_section(text, body), encoding="utf-8")
-    print(f"wrote the coverage table into {args.readme}")
+    args.page.write_text(coverage.replace_section(text, body), encoding="utf-8")
+    print(f"wrote the coverage table into {args.page}")
     return 0
 
 

@@ -14,6 +14,7 @@ import torch
 
 import fxsplit
 from fxsplit.models import deepseek_v4
+from tests.timeouts import scaled
 from tests.warned import warned_at
 
 
@@ -38,7 +39,7 @@ def test_string_backend_in_fresh_process_without_importing_fxsplit():
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(300)
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "1"

@@ -99,13 +99,25 @@ def test_unknown_option_key_through_the_string_backend_is_the_cause():
     assert "capture_sizes" in str(causes[0])
 
 
-def test_torch_compile_mode_is_rejected():
+def test_torch_compile_mode_other_than_default_or_reduce_overhead_is_rejected():
     model = torch.compile(lambda x: x + 1, backend="fxsplit", mode="max-autotune")
     with pytest.raises(Exception) as info:
         model(torch.ones(2))
-    assert any(
-        isinstance(e, ValueError) and "mode='max-autotune'" in str(e) for e in _chain(info.value)
-    )
+    (error,) = [e for e in _chain(info.value) if isinstance(e, ValueError)]
+    assert "mode='max-autotune'" in str(error)
+    assert "it takes mode 'default' or 'reduce-overhead'" in str(error)
+
+
+def test_reduce_overhead_mode_is_accepted_and_changes_nothing():
+    """transformers' CompileConfig passes mode="reduce-overhead" (CUDA graphs) by default; the
+    capture option decides what fxsplit captures, here the emulator."""
+    backend = fxsplit.Backend(capture="emulate", eager_regions=[])
+    model = torch.compile(lambda x: x.sin() + 1, backend=backend, mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4)
+            assert torch.equal(model(x), x.sin() + 1)
+    assert counters.snapshot()["replays"] == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,6 +138,14 @@ def test_torch_compile_mode_is_rejected():
         ("module_regions", {"": "attention"}, ValueError, "module_regions has key ''"),
         ("eager_modules", "Block", TypeError, "eager_modules='Block' has type str"),
         ("capture", "gpu", ValueError, "capture='gpu' is not allowed; choose one of 'auto'"),
+        # every option with a fixed set of values offers the close one
+        ("capture", "emulated", ValueError, "capture='emulated' is not allowed; choose one of "),
+        ("capture", "emulated", ValueError, "'off'; did you mean 'emulate'\\?$"),
+        ("capture", "Auto", ValueError, "did you mean 'auto'\\?$"),
+        ("compile_pieces", "inductr", ValueError, "did you mean 'inductor'\\?$"),
+        ("input_binding", "stict", ValueError, "did you mean 'strict'\\?$"),
+        ("on_capture_error", "fallbak", ValueError, "did you mean 'fallback'\\?$"),
+        ("runner", "v3", ValueError, "unknown runner 'v3'; registered runners: .*did you mean"),
         ("capture", True, TypeError, "capture=True has type bool; expected one of 'auto', "),
         ("capture", 1, TypeError, "capture=1 has type int; expected one of 'auto', 'cuda', "),
         ("input_binding", 2, TypeError, "input_binding=2 has type int; expected one of 'copy'"),
@@ -282,6 +302,40 @@ def test_pattern_matching_nothing_warns_naming_it_once(options):
     line = "model(torch.ones(2, 4))  # graph_0 runs again: every graph of the first call is known"
     assert warned_at(caught) == [("test_bad_input.py", line)]
     assert repr(pattern) in str(caught[0].message)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"module_regions": {"Blok": "attention"}}, "module_regions pattern 'Blok' matched"),
+        ({"eager_modules": ["layers.*.ln"]}, "eager_modules pattern 'layers.*.ln' matched"),
+        ({"splitting_ops": ["aten::rellu"]}, "splitting_ops pattern 'aten::rellu' matched"),
+    ],
+)
+def test_pattern_matching_nothing_names_its_option_and_the_closest_name(options, message):
+    closest = {"Blok": "Block", "layers.*.ln": "layers.*.lin", "aten::rellu": "aten::relu"}
+    model = torch.compile(Model(), backend=fxsplit.Backend(**options, eager_regions=[]))
+    with pytest.warns(fxsplit.FxsplitWarning, match="matched no node") as caught, torch.no_grad():
+        model(torch.ones(2, 4))
+        model(torch.ones(2, 4))
+    (text,) = [str(w.message) for w in caught]
+    (pattern,) = [p for p in closest if repr(p) in text]
+    assert text == (
+        f"fxsplit: {message} no node of the graphs compiled so far; "
+        f"did you mean {closest[pattern]!r}?"
+    )
+
+
+def test_pattern_matching_nothing_in_two_options_names_both_and_offers_no_far_name():
+    options = {"module_regions": {"Zzz": "attention"}, "eager_modules": ["Zzz"]}
+    model = torch.compile(Model(), backend=fxsplit.Backend(**options, eager_regions=[]))
+    with pytest.warns(fxsplit.FxsplitWarning, match="matched no node") as caught, torch.no_grad():
+        model(torch.ones(2, 4))
+        model(torch.ones(2, 4))
+    assert [str(w.message) for w in caught] == [
+        "fxsplit: module_regions / eager_modules pattern 'Zzz' matched no node of the graphs "
+        "compiled so far"
+    ]
 
 
 def test_pattern_that_matches_does_not_warn():

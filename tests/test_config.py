@@ -225,17 +225,18 @@ def test_string_backend_bad_option_fails_on_first_call_with_cause():
     assert "'bogus'" in str(errors[0]) and "valid options" in str(errors[0])
 
 
-def test_string_backend_rejects_mode():
-    compiled = torch.compile(_fn, backend="fxsplit", mode="reduce-overhead")
+def test_string_backend_rejects_a_mode_it_does_not_take():
+    compiled = torch.compile(_fn, backend="fxsplit", mode="max-autotune-no-cudagraphs")
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
         compiled(torch.randn(3))
     errors = [e for e in _chain(info.value) if type(e) is ValueError]
-    assert errors and "mode='reduce-overhead'" in str(errors[0])
+    assert errors and "mode='max-autotune-no-cudagraphs'" in str(errors[0])
 
 
-def test_string_backend_accepts_default_mode():
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_string_backend_accepts_default_and_reduce_overhead_modes(mode):
     x = torch.randn(3)
-    assert torch.equal(torch.compile(_fn, backend="fxsplit", mode="default")(x), _fn(x))
+    assert torch.equal(torch.compile(_fn, backend="fxsplit", mode=mode)(x), _fn(x))
     assert len(fxsplit.plans()) == 1
 
 

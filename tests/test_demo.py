@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import io
 import logging
+import re
 
 import pytest
+import torch
 
 pytest.importorskip("rich")
 
@@ -54,13 +56,25 @@ def test_demo_at_80_columns_labels_every_plan_and_cuts_no_word(monkeypatch):
     for word, meaning in demo.LEGEND:  # one line per counter
         assert f"  {word:<13}{meaning}\n" in text
     # which graph, which step or length, which runner is the default
-    assert "graph_0 (step 0), runner v1: 5 pieces (3 captured, 2 eager)" in text
+    assert "\ngraph_0 (step 0), runner v1: 5 pieces (3 captured, 2 eager)\n" in text
     assert "DeepSeek-V4 decode, runner v2 (default); metadata: persistent buffers" in text
-    assert "graph_0 (seq_len 5), runner v1: 7 pieces (4 captured, 3 eager)" in text
-    assert "graph_0 (seq_len 8), runner v1: 9 pieces (5 captured, 4 eager)" in text
+    assert "\nplan 1: graph_0 (seq_len 5), runner v1: 19 pieces (10 captured, 9 eager)\n" in text
+    assert "\nplan 2: graph_0 (seq_len 8), runner v1: 21 pieces (11 captured, 10 eager)\n" in text
     assert "transformers DeepseekV4ForCausalLM prefill, runner v2 (default)" in text
-    assert "input copies of all steps, by value: input_ids 1, attn 1, attn_1 1" in text
-    assert "other copies: copies of input_ids, attn, attn_1" in text
+    titles = [line for line in text.splitlines() if re.match(r"(plan \d+: )?graph_\d+ \(", line)]
+    assert len(titles) >= 6 and len(set(titles)) == len(titles), titles  # one title per plan
+    # v2 captures attention input preparation: its region reads as captured, not as eager
+    assert "│ attn_prep (captured) │" in text
+    # copies named in the model's terms: its argument, the module that made the value
+    words = " ".join(text.split())
+    copied = "input_ids 1, layers.0.attn output 1, layers.1.attn output 1"
+    assert f"input copies of all steps, by value: {copied}" in words
+    assert "other copies: copies of input_ids, layers.0.attn output, layers.1.attn output" in words
+    # a CPU machine is told why the demo emulates capture
+    if not torch.cuda.is_available():
+        assert (
+            "torch sees no CUDA or ROCm device: the default capture='auto' would capture" in words
+        )
     assert [line for line in text.splitlines() if line != line.rstrip()] == []  # no padding
 
 

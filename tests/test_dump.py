@@ -24,6 +24,8 @@ import fxsplit  # noqa: E402
 from fxsplit.tools import cli, dump, report  # noqa: E402
 from fxsplit.tools.diff import diff_splits  # noqa: E402
 from tests.columns import Recording, cut_words  # noqa: E402
+from tests.timeouts import scaled  # noqa: E402
+from tests.warned import warned_at  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -399,7 +401,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     dom = result.stdout
     assert result.returncode == 0, result.stderr[-2000:]
@@ -448,8 +450,10 @@ def test_cli_warns_of_an_option_that_matched_nothing(command, tmp_path, monkeypa
     options = json.dumps({"splitting_ops": ["aten::topkk"]})
     argv = [command, "tests.test_dump:tiny_factory", "--options", options]
     argv += ["--out", str(tmp_path)] if command == "dump" else []
-    with pytest.warns(fxsplit.FxsplitWarning, match="'aten::topkk'.*matched no node"):
+    with pytest.warns(fxsplit.FxsplitWarning, match="'aten::topkk'.*matched no node") as caught:
         assert cli.main(argv) == 0
+    # named at the user's factory, not at the fxsplit script or fxsplit's own code
+    assert set(warned_at(caught)) == {("test_dump.py", "def tiny_factory():")}
 
 
 def test_cli_dump_deepseek_v4(tmp_path, capsys, monkeypatch):
@@ -584,7 +588,7 @@ def test_torch_trace_holds_fxsplit_artifacts(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=scaled(300),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     # TORCH_LOGS=fxsplit: the backend's INFO line per compiled graph

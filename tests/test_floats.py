@@ -1,4 +1,4 @@
-"""Python floats in compiled pieces (README, "Compiled pieces", "Floats"): Dynamo lifts float
+"""Python floats in compiled pieces (docs/compiled_pieces.md, "Floats"): Dynamo lifts float
 attributes (a norm's ``eps``, a scale) to symbolic floats, which Inductor cannot compile as
 such; fxsplit bakes those constant for the frame into the compiled pieces with a guard on their
 values, so Dynamo never retraces the frame for them (with or without

@@ -2,12 +2,12 @@
 and 12 decode steps with transformers' ``DynamicCache`` and with its ``StaticCache``, capture
 emulated, under both runners; logits equal to eager, captured pieces replaying, the KV cache
 never copied, ``generate()`` giving eager's tokens, the built-in presets' regions, golden plans,
-and the README's coverage table.
+and the coverage table of docs/coverage.md.
 
 Every case is compiled once per session (:func:`_result`) and read by every kind of test. CI
 runs a fixed sample (:data:`CI_CASES`, both caches each); ``FXSPLIT_HF_SWEEP=full`` runs every
 case. Regenerate the golden plans with ``FXSPLIT_HF_SWEEP=full EXPECTTEST_ACCEPT=1 python3 -m
-pytest <this file>`` and the README table with ``python3 scripts/coverage_table.py``.
+pytest <this file>`` and the coverage table with ``python3 scripts/coverage_table.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ RUNNERS = ("v1", "v2")
 CACHES = hf_architectures.CACHES
 ALL_CASES = [(a, r) for a in hf_architectures.names() for r in RUNNERS]
 FULL = os.environ.get("FXSPLIT_HF_SWEEP") == "full"
-README = Path(__file__).resolve().parent.parent / "README.md"
+COVERAGE = Path(__file__).resolve().parent.parent / "docs" / "coverage.md"
 # What coverage.attempt says of a case that fails before fxsplit is involved (NotRunnable).
 NOT_FXSPLITS = ("cannot build tiny: ", "fails eagerly: ")
 # One runner per architecture, one architecture per kind of attention, cache and position:
@@ -1417,7 +1417,7 @@ piece_8  captured   52  -          -""",
 
 
 def test_the_vs_eager_cell_bounds_eagers_difference_whose_figure_moves_from_run_to_run():
-    """CI computed eager 2e-07 where the README, from another run, said 4e-07: the cell
+    """CI computed eager 2e-07 where the coverage table, from another run, said 4e-07: the cell
     gives the bound the tests hold it to, and the figure only where it is over."""
 
     def cell(eager_diff: float) -> str:
@@ -1437,11 +1437,11 @@ def test_the_vs_eager_cell_bounds_eagers_difference_whose_figure_moves_from_run_
 
 
 @needs_golden_torch
-def test_readme_coverage_table_is_current():
-    """Each computed row is the README's; the README has a row for every architecture and
+def test_coverage_table_is_current():
+    """Each computed row is the coverage table's; the table has a row for every architecture and
     runner (all of them are compared under FXSPLIT_HF_SWEEP=full)."""
-    stale = "README coverage table is stale: run python3 scripts/coverage_table.py"
-    got = coverage.section(README.read_text(encoding="utf-8")).splitlines()
+    stale = "docs/coverage.md's table is stale: run python3 scripts/coverage_table.py"
+    got = coverage.section(COVERAGE.read_text(encoding="utf-8")).splitlines()
     rows = len(ALL_CASES) + len(hf_architectures.NOT_SHIPPED)
     assert len(got) == 2 + rows, stale
     results = [_compiled(*case, cache)[0] for case in CASES for cache in CACHES]

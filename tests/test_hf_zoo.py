@@ -1,6 +1,6 @@
 """The transformers zoo (fxsplit.tools.zoo, scripts/hf_zoo.py): every causal-LM architecture
 transformers ships, tiny, through fxsplit. CI runs a fixed sample of architectures outside the
-README's coverage table, one runner each; ``python3 scripts/hf_zoo.py`` runs them all."""
+coverage table (docs/coverage.md), one runner each; ``python3 scripts/hf_zoo.py`` runs them all."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import fxsplit
 from fxsplit import counters
 from fxsplit.passes import inductor, inductor_startup, piece_key
 from tests.stack import Stack
+from tests.timeouts import scaled
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
@@ -548,7 +549,11 @@ def test_a_process_ending_while_inductor_warms_up_ends_cleanly():
         "sys.exit(0)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        check=False,
     )
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.timeouts import scaled
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -18,13 +20,15 @@ def test_import_from_a_folder_holding_a_folder_named_fxsplit(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()).parent.parent == REPO
 
 
 README = (REPO / "README.md").read_text(encoding="utf-8")
+# The README and the manual pages it links to: where a user looks up a flag.
+DOCS = "\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md")))
 FLAG = r"(?<![\w-])--[a-z][a-z-]*"
 
 
@@ -44,10 +48,10 @@ def _cli_flags() -> set[str]:
     return flags - {"--help"}
 
 
-def test_readme_documents_every_command_line_flag():
+def test_readme_or_docs_document_every_command_line_flag():
     flags = _cli_flags()
     assert {"--summary", "--tp", "--cache-dir"} <= flags  # the help was read
-    documented = set(re.findall(FLAG, README))
+    documented = set(re.findall(FLAG, README + DOCS))
     assert sorted(flags - documented) == []
 
 
@@ -64,4 +68,23 @@ def test_readme_states_the_torch_range_pyproject_requires():
 def test_readme_says_how_long_the_tests_take():
     (line,) = [line for line in README.splitlines() if line.endswith("python3 -m pytest -q")
                or "python3 -m pytest -q  #" in line]  # fmt: skip
-    assert re.search(r"about \d+ minutes on 2 CPU cores", line), line
+    assert re.search(r"about \d+ minutes on 2 idle CPU cores", line), line
+
+
+def test_readme_offers_the_quick_subset_with_a_registered_marker():
+    """The quick subset beside the full command selects by a marker pyproject registers (an
+    unregistered marker would only warn and select everything)."""
+    assert 'python3 -m pytest -q -m "not slow"' in README
+    pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r'^    "slow: ', pyproject, re.MULTILINE)
+
+
+def test_ci_runs_the_readmes_test_command():
+    """CI runs what the README tells a newcomer to run, on a clean clone."""
+    (command,) = [
+        line.split("#")[0].strip()
+        for line in README.splitlines()
+        if line.startswith("bash scripts/setup.sh && python3 -m pytest")
+    ]
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert command in ci, (command, ci)

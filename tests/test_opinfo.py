@@ -25,7 +25,7 @@ Each case ends in one of these outcomes, recorded per case and printed at the en
   from Dynamo's own backend), fxsplit raised (``BackendCompilerFailed``, ``BindingError``, an
   error inside a piece, ...), or a captured piece did not replay.
 
-"Eager's numbers" is bit for bit (NaN equal to NaN), as the README claims of replays, except
+"Eager's numbers" is bit for bit (NaN equal to NaN), as docs/reliability.md says, except
 for the ops in :data:`OTHER_PATH_UNDER_A_DISPATCH_MODE`, where the emulator itself changes the
 computation: it records through a TorchDispatchMode, under which composite ops that branch on
 ``isTensorSubclassLike`` take another path (``linalg.svdvals`` and ``linalg.eigvalsh`` then

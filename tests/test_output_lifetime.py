@@ -448,6 +448,7 @@ def test_an_eager_op_that_keeps_nothing_is_never_warned_about():
     assert counters.snapshot()["replays"] > 0
 
 
+@pytest.mark.slow  # tens of seconds
 def test_a_kept_captured_output_never_reads_freed_memory_once_the_backend_is_gone():
     """An eager op keeps piece_0's output (warned); the model and its backend are then dropped.
     The kept tensor is still the model's: reading it must give its last values, never memory

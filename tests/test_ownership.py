@@ -1,10 +1,10 @@
 """Buffer ownership and aliasing under capture: each case once returned a wrong number or
 corrupted a caller's tensor with no error (CPU, ``capture="emulate"``, under no_grad).
 
-The rule under test (README, "Whose memory fxsplit writes"): fxsplit writes into a tensor the
-caller handed in only where the model writes it; a caller's tensor is a static buffer only when
-declared persistent; values the caller never handed in are fxsplit's to copy, never to refuse;
-outputs that are views of an input stay views of the caller's tensor.
+The rule under test (docs/capture.md, "Whose memory fxsplit writes"): fxsplit writes into a
+tensor the caller handed in only where the model writes it; a caller's tensor is a static buffer
+only when declared persistent; values the caller never handed in are fxsplit's to copy, never
+to refuse; outputs that are views of an input stay views of the caller's tensor.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from fxsplit import cache, counters
 from fxsplit.passes import inductor, piece_key
 from fxsplit.tools import cli
 from tests.stack import Stack
+from tests.timeouts import scaled
 
 pytestmark = [
     pytest.mark.usefixtures("fresh_capture_state"),
@@ -386,7 +387,7 @@ def test_two_processes_fill_one_cache_at_once(tmp_path):
         for _ in range(2)
     ]
     for run in runs:
-        _, err = run.communicate(timeout=600)
+        _, err = run.communicate(timeout=scaled(600))
         assert run.returncode == 0, err.decode()[-2000:]
     found, messages = _run(root)
     assert (found["pieces_compiled"], found["piece_cache_hits"], messages) == (0, 2, [])

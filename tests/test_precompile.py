@@ -398,12 +398,12 @@ def test_a_precompiled_graph_traced_dynamic_splits_as_traced(tmp_path):
     assert fxsplit.plans()[-1].pieces == traced
 
 
-def test_readme_precompile_scripts_save_then_load_in_new_processes(tmp_path):
-    """The README's save.py and load.py, each a fresh process as a user runs them; the load
-    finds no piece cache, so its pieces can only come from the saved file."""
+def test_docs_precompile_scripts_save_then_load_in_new_processes(tmp_path):
+    """docs/compiled_pieces.md's save.py and load.py, each a fresh process as a user runs them;
+    the load finds no piece cache, so its pieces can only come from the saved file."""
     root = Path(__file__).resolve().parent.parent
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    section = readme.split("Precompiling the DeepSeek-V4 reference model", 1)[1]
+    page = (root / "docs" / "compiled_pieces.md").read_text(encoding="utf-8")
+    section = page.split("Precompiling the DeepSeek-V4 reference model", 1)[1]
     save, load = (block.split("```", 1)[0] for block in section.split("```python\n")[1:3])
     assert save.startswith("# save.py") and load.startswith("# load.py")
     cache = tmp_path / "cache"

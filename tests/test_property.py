@@ -1049,7 +1049,7 @@ def _run_calls(case: Case) -> fxsplit.Backend:
             for i, (e, g) in enumerate(zip(expected, got, strict=True)):
                 if fed and _shares_storage(g, yc):
                     # the caller handed in the previous step's output buffer and gets it back:
-                    # this step's replay overwrote it (README, "Output lifetime")
+                    # this step's replay overwrote it (docs/capture.md, "Output lifetime")
                     continue
                 assert _same(e, g, exact), f"step {step} (batch {b}): output {i} differs\n{e}\n{g}"
             assert stored_e.keys() == stored_c.keys(), step

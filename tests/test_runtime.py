@@ -161,6 +161,7 @@ def _metadata_inputs(piece) -> list[str]:
 # 1. The field's runner-v1 bug and its fix (DeepSeek-V4, dynamic=True)
 
 
+@pytest.mark.slow  # tens of seconds
 def test_v1_prep_captured_with_trust_gives_wrong_output():
     batches = [2] * 6
     expected = _ds_eager(batches)

@@ -8,17 +8,17 @@ import torch
 from fxsplit.runtime.output_lifetime import can_swap
 
 # torch 2.11 lacks UntypedStorage._swap_data_ptr_: the emulator invalidates a held output as CUDA
-# does (a read raises) and an output handed back in becomes unreadable after the step (README,
-# "Versions"), so a test that reads either afterwards cannot run there.
+# does (a read raises) and an output handed back in becomes unreadable after the step
+# (docs/reliability.md, "Torch versions"), so a test that reads either afterwards cannot run there.
 needs_swap = pytest.mark.skipif(
     not can_swap(),
     reason=f"torch {torch.__version__} has no UntypedStorage._swap_data_ptr_: held and "
     "handed-back outputs are invalidated (reads raise) instead of keeping their values",
 )
 
-# Some golden plans and the README's coverage table are torch 2.13's Dynamo graphs; torch 2.11's
-# Dynamo traces other ones for them (other op counts, another representative of equal dynamic
-# sizes, so another split of a decode step's graph).
+# Some golden plans and the coverage table (docs/coverage.md) are torch 2.13's Dynamo graphs;
+# torch 2.11's Dynamo traces other ones for them (other op counts, another representative of
+# equal dynamic sizes, so another split of a decode step's graph).
 _RELEASE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 needs_golden_torch = pytest.mark.skipif(
     _RELEASE < (2, 13),

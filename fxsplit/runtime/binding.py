@@ -1,7 +1,7 @@
 """Input binding: what each input of a captured piece is, and whose memory its static buffer is.
 
 A captured graph reads its inputs at the addresses seen at capture (its *static buffers*). The
-ownership rule (README, "Whose memory fxsplit writes"):
+ownership rule (docs/capture.md, "Whose memory fxsplit writes"):
 
     fxsplit writes into a tensor the caller handed in only where the model itself writes it. A
     caller's tensor is a static buffer (bound by address, never copied into) only when the caller

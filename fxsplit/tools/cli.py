@@ -5,25 +5,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import os
 import sys
 from collections.abc import Mapping
 
 import fxsplit
-
-
-class UsageError(Exception):
-    """A bad command line (MODULE:FACTORY, --options); reported in one line, exit status 2."""
+from fxsplit.tools.cli_checks import UsageError, check_factory, check_options, check_runner
 
 
 def _load_factory(spec: str):
     """Import ``MODULE:FACTORY`` (the current directory is importable, as with ``python -m``)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError(
-            f"expected MODULE:FACTORY (e.g. fxsplit.models.deepseek_v4:example), got {spec!r}"
-        )
+    module_name, attr = check_factory(spec)
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
@@ -54,12 +46,7 @@ def _call_factory(spec: str, factory):
 
 
 def _options(text: str | None, runner: str | None) -> dict:
-    try:
-        options = json.loads(text) if text else {}
-    except json.JSONDecodeError as error:
-        raise UsageError(f"--options is not valid JSON: {error}") from None
-    if not isinstance(options, dict):
-        raise UsageError(f"--options must be a JSON object, got {text!r}")
+    options = check_options(text)
     from fxsplit.config import Config
 
     try:  # every value as given, before the two the CLI sets itself replace theirs
@@ -111,15 +98,33 @@ def _compile(spec: str, factory, options: dict):
 
     model, args, kwargs = _call_factory(spec, factory)
     torch._dynamo.reset()
-    with _no_env_dump_dir(), torch.no_grad():
-        torch.compile(model, backend=recording, dynamic=True)(*args, **kwargs)
-    backend.checks.warn()  # the call compiled every graph: a pattern that matched nothing shows
+    with _warnings_at(factory):
+        with _no_env_dump_dir(), torch.no_grad():
+            torch.compile(model, backend=recording, dynamic=True)(*args, **kwargs)
+        backend.checks.warn()  # the call compiled every graph: a pattern that matched nothing
     records = [
         (split, code, inputs)
         for split, (code, inputs) in zip(backend.compiled, codes, strict=False)
     ]
     name = type(model).__name__ if isinstance(model, torch.nn.Module) else None
     return name or getattr(model, "__name__", None), records
+
+
+def _warnings_at(factory):
+    """fxsplit's warnings about the model attributed to the factory in the user's file, not to
+    the ``fxsplit`` script that called it; where its source cannot be found, left as they are."""
+    import inspect
+
+    from fxsplit.warn import attributed_to
+
+    try:
+        filename = inspect.getsourcefile(factory)
+        _, lineno = inspect.getsourcelines(factory)
+    except (OSError, TypeError):
+        filename = None
+    if filename is None:
+        return contextlib.nullcontext()
+    return attributed_to(filename, lineno)
 
 
 def _console():
@@ -206,6 +211,17 @@ def _demo(args) -> int:
         raise UsageError(
             f"{args.model} needs the Python package {error.name!r} (pip install {error.name})"
         ) from None
+
+
+def _check_before_torch(args) -> None:
+    """What ``dump`` and ``diff`` were given, judged before the model's module (and torch) is
+    imported: the ``MODULE:FACTORY`` form, ``--options``, the runner names."""
+    module, _ = check_factory(args.factory)
+    options = check_options(args.options)
+    runners = args.runner if isinstance(args.runner, list) else [args.runner]
+    for name in [*runners, options.get("runner")]:
+        if isinstance(name, str):
+            check_runner(name, module)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return tp_demo.run(args.tp)
     try:
+        if args.command in ("dump", "diff"):
+            _check_before_torch(args)
         if args.command == "demo":
             return _demo(args)
         if args.command == "dump":

@@ -1,9 +1,10 @@
 """Hugging Face architecture coverage: compile each tiny architecture with ``backend="fxsplit"``,
-decode with a KV cache under a runner, compare with eager, and render the README's table.
+decode with a KV cache under a runner, compare with eager, and render the coverage table
+(docs/coverage.md).
 
 :func:`check` runs one architecture under one runner; :func:`table` renders results as the
 Markdown table that ``scripts/coverage_table.py`` writes between :data:`BEGIN` and :data:`END`
-in the README (:func:`replace_section`).
+in docs/coverage.md (:func:`replace_section`).
 """
 
 from __future__ import annotations
@@ -345,7 +346,7 @@ def replace_section(text: str, body: str) -> str:
     """
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"the README lacks the markers {BEGIN!r} ... {END!r} (in that order)")
+        raise ValueError(f"the page lacks the markers {BEGIN!r} ... {END!r} (in that order)")
     return text[: start + len(BEGIN)] + "\n" + body + "\n" + text[end:]
 
 
@@ -353,5 +354,5 @@ def section(text: str) -> str:
     """The text between :data:`BEGIN` and :data:`END`, stripped (see :func:`replace_section`)."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"the README lacks the markers {BEGIN!r} ... {END!r} (in that order)")
+        raise ValueError(f"the page lacks the markers {BEGIN!r} ... {END!r} (in that order)")
     return text[start + len(BEGIN) : end].strip()

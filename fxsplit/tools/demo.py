@@ -39,8 +39,10 @@ from rich.console import Console
 from rich.table import Table
 
 import fxsplit
+from fxsplit import capture_off
 from fxsplit.config import Config
 from fxsplit.models import deepseek_v4, hf_architectures, hf_deepseek_v4
+from fxsplit.passes.modules import module_path
 from fxsplit.plan import SplitPlan
 from fxsplit.tools.dump import plan_table, titled
 
@@ -54,10 +56,12 @@ DECODE_STEPS = 6
 
 LEGEND = (
     ("graph_<n>", "the n-th graph Dynamo compiled; in brackets: its step or lengths"),
+    ("plan <k>", "the k-th distinct prefill split (each length compiles afresh)"),
     ("captures", "captured pieces recorded as a CUDA graph (emulated on CPU)"),
     ("replays", "captured pieces run by replaying their recorded graph"),
     ("uncaptured", "pieces run without a graph (warm-up, a size seen first)"),
     ("input copies", "new tensors copied into the buffers a recorded graph reads"),
+    ("warmup_runs", "0 for the prefill: its 1st call captures (default 1: the 2nd)"),
 )
 """What the tables' words and counters mean, one line each."""
 
@@ -153,18 +157,32 @@ def _decode(runner: str, compile_pieces: str, eager_regions=None, steps=None) ->
 
 
 def _copied(backend: fxsplit.Backend) -> dict[str, int]:
-    """Input copies per copied value over every replay: ``{name: copies}``, named as the
-    caller's argument (``input_ids``) or as the value an earlier piece made (``attn``)."""
+    """Input copies per copied value over every replay: ``{name: copies}``, named in the
+    model's terms: the caller's argument (``input_ids``), or the module whose code made the
+    value an earlier piece hands on (``layers.0.attn output``)."""
     copies: dict[str, int] = {}
     for runtime, split in zip(backend.runtimes, backend.compiled, strict=False):
         nodes = {n.name: n for n in split.graph_module.graph.nodes}
         for piece in runtime.pieces:
             for name, n in piece.stats.copies_by_input.items():
-                node = nodes.get(name)
-                if node is not None and node.op == "placeholder" and name.startswith("l_"):
-                    name = name[2:].rstrip("_")  # Dynamo names the argument x "l_x_"
-                copies[name] = copies.get(name, 0) + n
+                label = _value_label(nodes.get(name), name)
+                copies[label] = copies.get(label, 0) + n
     return copies
+
+
+def _value_label(node, name: str) -> str:
+    """A graph value as the model's code names it (see :func:`_copied`); the node's own name
+    where the graph says nothing more."""
+    if node is None:
+        return name
+    if node.op == "placeholder":
+        # Dynamo names the argument x "l_x_" (and a keyword argument "l_kwargs_x_")
+        return name.removeprefix("l_").removeprefix("kwargs_").rstrip("_")
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        dynamo_path, _ = list(stack.values())[-1]
+        return f"{module_path(dynamo_path) or 'model'} output"
+    return name
 
 
 def _metadata_copies(backend: fxsplit.Backend) -> int:
@@ -198,7 +216,7 @@ def _deepseek(console: Console, runner: str, compile_pieces: str) -> bool:
             str(step), str(batch), f"{diff:.3g}", *_counter_cells(delta), "yes" if good else "NO"
         )
     console.print(titled(title, table))
-    console.print(_copies_line(run.backend), highlight=False)
+    _print_wrapped(console, _copies_line(run.backend))
     _compile_summary(console, _records(run.backend))
     return ok
 
@@ -266,7 +284,7 @@ def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
         others.update(dict.fromkeys(n for n in _copied(run.backend) if n not in METADATA))
     console.print(titled(title, table))
     console.print(f"metadata copies: copies of {', '.join(METADATA)}", highlight=False)
-    console.print(f"other copies: copies of {', '.join(others) or 'nothing'}", highlight=False)
+    _print_wrapped(console, f"other copies: copies of {', '.join(others) or 'nothing'}")
     return ok
 
 
@@ -333,10 +351,9 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
             "yes" if good else "NO",
         )
     console.print(f"transformers {DEEPSEEK}, prefill, {label}", highlight=False)
-    for plan, lengths in plans.values():
-        console.print(
-            plan_table(plan, _plan_title(plan, f"seq_len {', '.join(map(str, lengths))}"))
-        )
+    for k, (plan, lengths) in enumerate(plans.values(), 1):
+        when = f"seq_len {', '.join(map(str, lengths))}"
+        console.print(plan_table(plan, f"plan {k}: {_plan_title(plan, when)}"))
     console.print(titled(title, table))
     _compile_summary(console, records)
     return ok
@@ -436,6 +453,13 @@ def run(
     mode, device = _capture_mode()
     pieces = "Inductor" if _compiles(compile_pieces, device) else "generated Python"
     console.print(f"capture: {mode} on {device}; pieces: {pieces}; torch {torch.__version__}")
+    why = capture_off.reason("auto", None if device == "cpu" else torch.device(device))
+    if why is not None:
+        _print_wrapped(
+            console,
+            f"{why}: the default capture='auto' would capture nothing here; this demo passes "
+            f"capture='emulate', {capture_off.EMULATOR}",
+        )
     print_legend(console)
     _print_wrapped(console, _tolerance_line(compile_pieces, device))
     dumps = Config().dump_folder

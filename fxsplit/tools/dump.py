@@ -519,7 +519,8 @@ def plan_table(plan: SplitPlan, title: str | None = None):
 
     Regions and reasons go one per line, so the table is as wide as its longest name; a name
     longer than the terminal leaves room for (``dynamic:cache.layers[0].values.size(2)`` at 80
-    columns) folds onto the next line rather than being cut."""
+    columns) folds onto the next line rather than being cut. A region a captured piece holds
+    (``attn_prep`` under v2) reads ``attn_prep (captured)``, never like an eager region."""
     from rich.table import Table
 
     table = Table(pad_edge=False)
@@ -528,6 +529,9 @@ def plan_table(plan: SplitPlan, title: str | None = None):
     table.add_column("ops", justify="right")
     table.add_column("regions")
     table.add_column("reasons", overflow="fold")
-    for row in plan.rows(sep="\n"):
-        table.add_row(*row, style="dark_orange" if row[1] == "eager" else None)
+    for piece, kind, ops, regions, reasons in plan.rows(sep="\n"):
+        if kind == "captured" and regions != "-":
+            regions = "\n".join(f"{r} (captured)" for r in regions.split("\n"))
+        style = "dark_orange" if kind == "eager" else None
+        table.add_row(piece, kind, ops, regions, reasons, style=style)
     return titled(title or graph_title(plan), table)

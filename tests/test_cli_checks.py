@@ -1,0 +1,134 @@
+"""The ``fxsplit`` command answers a bad ``MODULE:FACTORY``, ``--options`` or ``--runner`` before
+torch is imported (:mod:`fxsplit.tools.cli_checks`), in the words ``Config`` uses, with the facts
+it keeps itself equal to ``fxsplit.config`` and ``fxsplit.runners``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fxsplit import config
+from fxsplit.tools import cli_checks
+from fxsplit.tools.cli_checks import UsageError
+from tests.timeouts import scaled
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_option_names_and_choices_are_configs():
+    assert tuple(f.name for f in dataclasses.fields(config.Config)) == cli_checks.OPTION_NAMES
+    assert cli_checks.CHOICES == {
+        "capture": config.CAPTURE_MODES,
+        "compile_pieces": config.COMPILE_MODES,
+        "input_binding": config.INPUT_BINDINGS,
+        "on_capture_error": config.ON_CAPTURE_ERROR,
+    }
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("capture", "emulated"),
+        ("capture", "gpu"),
+        ("capture", True),
+        ("compile_pieces", "Inductor"),
+        ("input_binding", "cpy"),
+        ("input_binding", 2),
+        ("on_capture_error", "ignore"),
+        ("capture_sizes", []),
+        ("capture_sizes", [0]),
+        ("capture_sizes", [4, -1]),
+        ("capture_sizes", [4, 4]),
+        ("capture_sizes", [2.5]),
+        ("capture_sizes", 4),
+        ("compile_sizes", [0]),
+        ("compile_sizes", "8"),
+    ],
+)
+def test_a_bad_value_is_named_as_config_names_it(key, value):
+    with pytest.raises((TypeError, ValueError)) as info:
+        config.Config.from_options({key: value})
+    with pytest.raises(UsageError) as early:
+        cli_checks.check_options(json.dumps({key: value}))
+    assert str(early.value) == f"bad fxsplit options: {info.value}"
+
+
+@pytest.mark.parametrize(
+    "options", ['{"capture": "emulate", "capture_sizes": [1, 8]}', '{"input_binding": null}', None]
+)
+def test_good_options_pass(options):
+    assert cli_checks.check_options(options) == json.loads(options or "{}")
+
+
+def test_an_unknown_key_is_named_as_config_names_it():
+    with pytest.raises(ValueError) as info:
+        config.Config.from_options({"runer": "v2"})
+    with pytest.raises(UsageError) as early:
+        cli_checks.check_options('{"runer": "v2"}')
+    assert str(early.value) == f"bad fxsplit options: {info.value}"
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("mymodel.example", "got 'mymodel.example'; did you mean mymodel:example?"),
+        ("mymodel", "got 'mymodel'"),
+        ("mymodel:", "got 'mymodel:'"),
+        (":example", "got ':example'"),
+    ],
+)
+def test_a_factory_without_module_and_attribute_is_refused(spec, message):
+    with pytest.raises(UsageError, match="expected MODULE:FACTORY") as info:
+        cli_checks.check_factory(spec)
+    assert str(info.value).endswith(message)
+
+
+def test_a_runner_is_built_in_or_named_by_the_factorys_module(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mymodel.py").write_text('runners.register(Runner("mine", set()))\n')
+    cli_checks.check_runner("v2", "mymodel")
+    cli_checks.check_runner("mine", "mymodel")  # its registry decides, after the import
+    with pytest.raises(UsageError) as info:
+        cli_checks.check_runner("v3", "mymodel")
+    assert str(info.value) == (
+        "unknown runner 'v3'; built-in runners: v1, v2; did you mean 'v2'? (module mymodel "
+        "does not name it, so it cannot register it either)"
+    )
+
+
+def test_bad_arguments_exit_2_before_torch_is_imported():
+    """In a fresh process, as a user runs the command: every case answered, torch never
+    imported; then the built-in runners the checks know are the registry's."""
+    cases = [
+        ["dump", "mymodel.example"],
+        ["dump", "fxsplit.models.deepseek_v4:example", "--runner", "v3"],
+        ["diff", "fxsplit.models.deepseek_v4:example", "--runner", "v1", "--runner", "v3"],
+        ["dump", "x:y", "--options", '{"capture": "emulated"}'],
+        ["dump", "x:y", "--options", '{"capture_sizes": [0]}'],
+        ["diff", "x:y", "--options", '{"runner": "v9"}'],
+        ["dump", "x:y", "--options", "[1]"],
+    ]
+    code = (
+        "import json, sys\n"
+        "from fxsplit.tools import cli\n"
+        f"codes = [cli.main(argv) for argv in {cases!r}]\n"
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "from fxsplit import runners\n"
+        "print(json.dumps([codes, heavy, runners.names()]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=scaled(120)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    codes, heavy, builtin = json.loads(done.stdout.splitlines()[-1])
+    assert codes == [2] * len(cases), done.stderr
+    assert heavy == []
+    assert builtin == list(cli_checks.BUILTIN_RUNNERS)
+    errors = done.stderr.splitlines()
+    assert len(errors) == len(cases) and all(": error: " in line for line in errors), errors
+    assert "did you mean 'emulate'?" in errors[3]

@@ -1,0 +1,61 @@
+"""The README and the pages under docs/: every relative link resolves (the file exists and, for
+``page.md#anchor``, the page has that heading), and the README stays an entry page."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as
+    hyphens (code spans keep their text)."""
+    anchors = set()
+    in_code = False
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and (heading := re.match(r"#+ (.*)", line)):
+            text = heading.group(1).strip().lower().replace("`", "")
+            anchors.add(re.sub(r"[^\w\- ]", "", text).replace(" ", "-"))
+    return anchors
+
+
+def _links(page: Path) -> list[str]:
+    """The link targets of a page's prose (not of its code blocks)."""
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL)
+    return LINK.findall(text)
+
+
+def test_anchors_follow_githubs_rule():
+    page = REPO / "docs" / "capture.md"
+    assert {"whose-memory-fxsplit-writes", "one-memory-pool-in-capture-order"} <= _anchors(page)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in _links(page):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists():
+            broken.append(f"{target}: no file {linked}")
+        elif anchor and linked.suffix == ".md" and anchor not in _anchors(linked):
+            broken.append(f"{target}: no heading with anchor #{anchor} in {linked.name}")
+    assert broken == [], f"{page.name}: " + "; ".join(broken)
+
+
+def test_the_readme_is_an_entry_page():
+    """About 250 lines: the manual lives under docs/, where the README links to every page."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) < 300
+    linked = {target.partition("#")[0] for target in _links(REPO / "README.md")}
+    assert {f"docs/{p.name}" for p in PAGES[1:]} <= linked

@@ -1,0 +1,76 @@
+"""transformers' ``generate()`` through fxsplit: ``CompileConfig`` (transformers compiles
+``forward`` itself, with a compileable cache) replays, with fxsplit's options given either way
+the README shows; compiling the model object compiles nothing ``generate`` runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxsplit
+from fxsplit import counters
+from fxsplit.models import hf_architectures
+
+if not hf_architectures.available():
+    pytest.skip("needs transformers >= 5.8.1", allow_module_level=True)
+
+from transformers import CompileConfig, StaticCache
+
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
+
+ARCHITECTURE = "LlamaForCausalLM"
+OPTIONS = {"runner": "v2", "capture": "emulate", "input_binding": "copy"}
+GENERATE = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+
+
+@pytest.fixture(scope="module")
+def model_and_tokens():
+    model = hf_architectures.build(ARCHITECTURE)
+    prompt = hf_architectures.token_ids(model, 0)[0]
+    with torch.no_grad():
+        want = model.generate(prompt, cache=_cache(model), **GENERATE)
+    return model, prompt, want
+
+
+def _cache(model) -> StaticCache:
+    return StaticCache(config=model.config, max_cache_len=32)
+
+
+def test_a_backend_deep_copies_to_itself():
+    """transformers deep-copies its CompileConfig, backend included, before compiling."""
+    backend = fxsplit.Backend(capture="emulate")
+    assert copy.deepcopy(backend) is backend
+    assert copy.deepcopy({"backend": backend})["backend"] is backend
+
+
+@pytest.mark.parametrize("way", ["backend object, default mode", "string backend, mode=None"])
+def test_generate_compiles_forward_through_compile_config_and_replays(model_and_tokens, way):
+    model, prompt, want = model_and_tokens
+    model = copy.deepcopy(model)
+    backend = fxsplit.Backend(**OPTIONS)
+    if way.startswith("backend object"):  # CompileConfig's mode="reduce-overhead" is accepted
+        config = CompileConfig(backend=backend)
+    else:  # torch refuses options beside a mode
+        config = CompileConfig(backend="fxsplit", mode=None, options=OPTIONS)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    model.generation_config.compile_config = config
+    with torch.no_grad():
+        got = model.generate(prompt, cache=_cache(model), **GENERATE)
+    assert torch.equal(got, want)
+    snapshot = counters.snapshot()
+    assert snapshot["graphs"] >= 1 and snapshot["replays"] > 0, snapshot
+    plans = backend.plans if way.startswith("backend object") else fxsplit.plans()
+    assert plans and all(p.runner == "v2" for p in plans)
+
+
+def test_compiling_the_model_object_leaves_generate_uncompiled(model_and_tokens):
+    """``generate`` calls the module's own ``forward``, not the compiled wrapper's."""
+    model, prompt, want = model_and_tokens
+    backend = fxsplit.Backend(**OPTIONS)
+    compiled = torch.compile(copy.deepcopy(model), backend=backend)
+    with torch.no_grad():
+        got = compiled.generate(prompt, cache=_cache(model), **GENERATE)
+    assert torch.equal(got, want)
+    assert backend.plans == [] and counters.snapshot()["graphs"] == 0
