@@ -58,8 +58,8 @@ def test_demo_at_80_columns_labels_every_plan_and_cuts_no_word(monkeypatch):
     # which graph, which step or length, which runner is the default
     assert "\ngraph_0 (step 0), runner v1: 5 pieces (3 captured, 2 eager)\n" in text
     assert "DeepSeek-V4 decode, runner v2 (default); metadata: persistent buffers" in text
-    assert "\nplan 1: graph_0 (seq_len 5), runner v1: 19 pieces (10 captured, 9 eager)\n" in text
-    assert "\nplan 2: graph_0 (seq_len 8), runner v1: 21 pieces (11 captured, 10 eager)\n" in text
+    assert "\nplan 1: graph_0 (seq_len 5), runner v1: 13 pieces (7 captured, 6 eager)\n" in text
+    assert "\nplan 2: graph_0 (seq_len 8), runner v1: 15 pieces (8 captured, 7 eager)\n" in text
     assert "transformers DeepseekV4ForCausalLM prefill, runner v2 (default)" in text
     titles = [line for line in text.splitlines() if re.match(r"(plan \d+: )?graph_\d+ \(", line)]
     assert len(titles) >= 6 and len(set(titles)) == len(titles), titles  # one title per plan
