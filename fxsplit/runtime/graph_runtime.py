@@ -174,7 +174,9 @@ class CaptureSession:
         the process (see the class docstring): one model's output handed to another model
         compiled with another backend is fxsplit's memory there too, never the caller's."""
         cdata = tensor.untyped_storage()._cdata
-        return any(session._produced_here(tensor, cdata) for session in _SESSIONS)
+        return self._produced_here(tensor, cdata) or any(
+            session._produced_here(tensor, cdata) for session in _SESSIONS if session is not self
+        )
 
     def _produced_here(self, tensor: torch.Tensor, cdata: int) -> bool:
         if cdata in self._taken:
@@ -188,7 +190,9 @@ class CaptureSession:
     def in_pool(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in a memory pool of any backend of the process: a captured
         graph's output (handed out or not), whose memory later replays and captures reuse."""
-        return any(session._in_pool_here(tensor) for session in _SESSIONS)
+        return self._in_pool_here(tensor) or any(
+            session._in_pool_here(tensor) for session in _SESSIONS if session is not self
+        )
 
     def _in_pool_here(self, tensor: torch.Tensor) -> bool:
         if not self.pools:
@@ -246,6 +250,7 @@ class CaptureSession:
         :meth:`~fxsplit.runtime.output_lifetime.OutputLedger.release_all`."""
         for pool in self.pools.values():
             pool.ledger.release_all(self.step)
+        _SESSIONS.discard(self)  # its memory is released: other backends stop asking it
 
     def forget(self, graph: object) -> None:
         """Drop what is recorded for ``graph``."""
@@ -260,7 +265,8 @@ class CaptureSession:
         if tensor.is_inference():
             return None
         ptr = storage_ptr(tensor)
-        if any(ptr in pool.owners for session in _SESSIONS for pool in session.pools.values()):
+        sessions = (self, *(session for session in _SESSIONS if session is not self))
+        if any(ptr in pool.owners for session in sessions for pool in session.pools.values()):
             return None
         return weakref.ref(tensor), tensor._version, tensor.data_ptr()
 
