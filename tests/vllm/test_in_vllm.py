@@ -7,6 +7,8 @@ import functools
 import pytest
 import torch
 
+import fxsplit
+
 vllm = pytest.importorskip("vllm")
 
 from fxsplit.vllm import eager_op_presets  # noqa: E402
@@ -49,7 +51,13 @@ def _vllm_eager_ops(runner: str) -> set[str]:
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_tokens_equal_vllm_eager_and_vllms_eager_ops_stay_eager(arch, runner):
     expected = _eager(arch)  # first: an engine's start resets Dynamo, and fxsplit's backends
-    run = engine.run(arch, runner)
+    if arch == "deepseek_v2" and runner == "v2":
+        # vLLM's CPU MLA cache write (captured under v2) reads a mask on the host
+        # (``valid_mask.all().item()`` in cpu_mla.py): a counted, warned refusal, as CUDA would
+        with pytest.warns(fxsplit.FxsplitRuntimeWarning, match=r"runs uncaptured: CaptureError"):
+            run = engine.run(arch, runner)
+    else:
+        run = engine.run(arch, runner)
     engine.record(f"{arch} {runner}", run)
     assert run.tokens == expected
     must = _vllm_eager_ops(runner)
