@@ -215,7 +215,7 @@ def _module_regions(key: str, value: Any) -> Mapping[str, str]:
 
 
 def _splitting_ops(key: str, value: Any) -> tuple[str, ...]:
-    from fxsplit.passes.ops import parse_op_name
+    from fxsplit.facts.ops import parse_op_name
 
     names = _strings(key, value)
     for name in names:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import difflib
 
 from fxsplit import runners
+from fxsplit.facts.ops import op_names
 from fxsplit.passes.modules import module_path
-from fxsplit.passes.ops import op_names
 from fxsplit.warn import warn_at_caller
 
 # Each pattern option, and the kind of name its patterns match (what a did-you-mean offers).

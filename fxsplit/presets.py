@@ -55,7 +55,7 @@ class Preset:
     methods: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        from fxsplit.passes.ops import parse_op_name
+        from fxsplit.facts.ops import parse_op_name
 
         for field_name in ("name", "region"):
             value = getattr(self, field_name)

@@ -11,9 +11,9 @@ import torch
 from torch.fx import Graph, GraphModule
 
 from fxsplit import collectives, distributed
+from fxsplit.facts.ops import op_name
 from fxsplit.passes import split
 from fxsplit.passes.mark import Policy
-from fxsplit.passes.ops import op_name
 from fxsplit.runners import Runner
 
 pytestmark = pytest.mark.skipif(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fxsplit
-from fxsplit.passes import aliasing
+from fxsplit.facts import aliasing
 from tests.stack import Stack
 
 

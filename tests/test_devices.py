@@ -70,6 +70,6 @@ def test_piece_spanning_two_cuda_devices_is_never_captured():
     result = split(gm, mark.Policy.build(fxsplit.runners.get("v1")))
     captured = [p for p in result.plan.pieces if p.kind == partition.CAPTURED]
     assert captured and captured[0].devices == ("cuda:0", "cuda:1")
-    reason = _never_captured([], fxsplit.passes.aliasing.PieceAliasing(), captured[0].devices)
+    reason = _never_captured([], fxsplit.facts.aliasing.PieceAliasing(), captured[0].devices)
     assert reason is not None and "cuda:0, cuda:1" in reason
-    assert _never_captured([], fxsplit.passes.aliasing.PieceAliasing(), ("cuda:0",)) is None
+    assert _never_captured([], fxsplit.facts.aliasing.PieceAliasing(), ("cuda:0",)) is None

@@ -40,7 +40,7 @@ def test_python_operator_matches_its_aten_name(name):
 
 
 def test_operator_on_host_values_has_no_op_name():
-    from fxsplit.passes.ops import op_names
+    from fxsplit.facts.ops import op_names
 
     graph = torch.fx.Graph()
     a = graph.placeholder("a")

@@ -46,7 +46,7 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit.passes import op_facts
+from fxsplit.facts import op_facts
 
 common = pytest.importorskip("torch.testing._internal.common_methods_invocations")
 

@@ -620,7 +620,7 @@ def test_a_view_of_a_marked_cache_handed_between_pieces_is_read_by_address():
 
 
 def test_analysis_failure_logs_and_runs_uncaptured(caplog, monkeypatch):
-    from fxsplit.passes import aliasing
+    from fxsplit.facts import aliasing
 
     def broken():
         raise ImportError("no collector in this torch")

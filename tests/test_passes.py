@@ -11,12 +11,13 @@ import torch
 from torch.fx import Graph, GraphModule
 
 import fxsplit
+from fxsplit.facts import op_facts
+from fxsplit.facts.op_facts import unsafe
+from fxsplit.facts.ops import OpMatcher, op_name, parse_op_name
 from fxsplit.passes import normalise as normalise_pass
-from fxsplit.passes import op_facts, split
+from fxsplit.passes import split
 from fxsplit.passes.mark import Policy
 from fxsplit.passes.modules import ModuleMatcher, module_path
-from fxsplit.passes.op_facts import unsafe
-from fxsplit.passes.ops import OpMatcher, op_name, parse_op_name
 from fxsplit.runners import Runner
 
 # --------------------------------------------------------------------------- custom ops

@@ -81,7 +81,7 @@ def test_fallback_counts_and_warns_once_for_inputs_sharing_storage():
 
 
 def test_raise_refuses_a_piece_the_aliasing_analysis_cannot_run_on(monkeypatch):
-    from fxsplit.passes import aliasing
+    from fxsplit.facts import aliasing
 
     def broken():
         raise ImportError("no collector in this torch")

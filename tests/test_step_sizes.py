@@ -12,7 +12,7 @@ from torch import nn
 
 import fxsplit
 from fxsplit import counters
-from fxsplit.passes.step_sizes import describe, symbols
+from fxsplit.facts.symbols import describe, symbols
 from fxsplit.runtime import replay_watch
 
 # The toy models have no attention region: the runner's "no node is in any region" is expected.

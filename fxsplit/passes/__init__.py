@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from fxsplit.passes import aliasing, mark, materialise, normalise, op_facts, partition, step_sizes
+from fxsplit.facts import aliasing, op_facts
+from fxsplit.passes import mark, materialise, normalise, partition, step_sizes
 from fxsplit.plan import Piece, SplitPlan
 
 __all__ = ["Split", "split"]
@@ -52,7 +53,7 @@ def split(
         graph_id: name of the graph in the plan and in generated code's file name.
         runner: runner name recorded in the plan.
         grad_at_entry: grad mode when the graph is called.
-        analyse: run the aliasing analysis (:mod:`fxsplit.passes.aliasing`) on every captured
+        analyse: run the aliasing analysis (:mod:`fxsplit.facts.aliasing`) on every captured
             piece (what capture needs; costs one functionalized fake run of those pieces).
         size_input: index of the placeholder whose sizes are the token count (see
             :func:`fxsplit.runtime.graph_runtime.size_input_index`), or several: the first one's

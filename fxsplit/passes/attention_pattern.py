@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, Node
 
-from fxsplit.passes.ops import op_names
+from fxsplit.facts.ops import op_names
 
 __all__ = ["find"]
 

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from fxsplit.passes import global_state, op_facts
+from fxsplit.facts import op_facts
+from fxsplit.facts.ops import OpMatcher, op_name
+from fxsplit.passes import global_state
 from fxsplit.passes.modules import ModuleMatcher
 from fxsplit.passes.normalise import is_multi_output_getitem, waited_collective
-from fxsplit.passes.ops import OpMatcher, op_name
 from fxsplit.passes.preset_match import PresetMatcher
 from fxsplit.presets import Preset
 from fxsplit.regions import node_regions
@@ -120,7 +121,7 @@ def is_host_input(node: Node) -> bool:
 def _trivial_target(node: Node) -> bool:
     """Whether the node's target launches no kernel whatever its values (state switches,
     allocations of the ``empty`` family); decided per target and cached by :func:`mark`. Views
-    are decided per node (:func:`fxsplit.passes.op_facts.is_view`)."""
+    are decided per node (:func:`fxsplit.facts.op_facts.is_view`)."""
     return global_state.is_state_node(node) or op_facts.is_allocation(node)
 
 

@@ -31,7 +31,7 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.fx import Graph, GraphModule, Node
 
-from fxsplit.passes import op_facts, ops
+from fxsplit.facts import op_facts, ops
 
 _SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -217,7 +217,7 @@ def _sharing(values: list[Node]) -> str | None:
 
 def _view_tail(part_nodes: list[Node]) -> set[Node]:
     """The nodes at the end of a piece that only make views read by later pieces: views of
-    the op schema's kind (:func:`fxsplit.passes.op_facts.is_view`) and the items of a view op's
+    the op schema's kind (:func:`fxsplit.facts.op_facts.is_view`) and the items of a view op's
     tuple (``q.split(...)[0]``), none of them read by a node of the piece outside the tail."""
     part = set(part_nodes)
     tail: set[Node] = set()

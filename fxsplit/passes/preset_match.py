@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from torch.fx import Graph, Node
 
 from fxsplit import presets as builtin
+from fxsplit.facts.ops import OpMatcher
 from fxsplit.passes import attention_pattern
 from fxsplit.passes.modules import ModuleMatcher
-from fxsplit.passes.ops import OpMatcher
 
 # A frame of the stack Dynamo records per node: ``File "m.py", line 12, in _prepare_and_attn``.
 _FRAME = re.compile(r'File "[^"]*", line \d+, in (\w+)')

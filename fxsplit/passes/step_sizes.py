@@ -42,14 +42,15 @@ them runs eagerly already. Float symbols are left alone too: Dynamo lifts float 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, Node, map_arg
 
-from fxsplit.passes import aliasing, global_state, op_facts
+from fxsplit.facts import aliasing, op_facts
+from fxsplit.facts.symbols import describe, symbols
+from fxsplit.passes import global_state
 
 __all__ = ["StepSizes", "describe", "find", "symbols"]
 
@@ -148,7 +149,7 @@ def _gather(graph: Graph, reasons: dict[Node, tuple[str, ...]]) -> None:
     ``arange + past_length``, host arithmetic on a cache's counter) right before its first
     user, into ``reasons`` with its users' reasons: left where Dynamo traced it, it would stand
     alone between eager nodes as a captured piece of one or two ops. Only pure work
-    (:func:`fxsplit.passes.op_facts.is_pure`: torch's own ops that write nothing, draw nothing
+    (:func:`fxsplit.facts.op_facts.is_pure`: torch's own ops that write nothing, draw nothing
     and have no registered effect, and host arithmetic) built from host values and constants
     moves: never a random op (moved past another, it would draw that one's numbers), never a
     user's op (a custom op or ``allow_in_graph`` function may draw or bump a counter that no
@@ -243,7 +244,7 @@ def _writes_built(node: Node, built: set[Node], memory: set[int]) -> bool:
 
 def writes_when_run(node: Node) -> bool:
     """Whether ``node``, run on fake copies of its inputs, writes one, as functionalization
-    sees it (:func:`fxsplit.passes.aliasing.analyse`): the schema of an op that decomposes need
+    sees it (:func:`fxsplit.facts.aliasing.analyse`): the schema of an op that decomposes need
     not declare what its decomposition writes (``batch_norm`` and ``instance_norm`` write their
     running statistics). True where the analysis cannot run (no example value, a data-dependent
     size)."""
@@ -292,37 +293,6 @@ def _shape_env(graph: Graph):
     return None
 
 
-def symbols(value: object, cache: dict | None = None) -> set:
-    """The free symbols of a node's value (a tensor's sizes, strides and offset, a SymInt, or
-    tuples and lists of them), after the ShapeEnv's replacements; ``cache`` keeps each
-    expression's symbols across calls (sympy computes them anew every time)."""
-    found: set = set()
-    _collect(value, found, {} if cache is None else cache)
-    return found
-
-
-def _collect(value: object, found: set, cache: dict) -> None:
-    if isinstance(value, torch.Tensor):
-        strided = value.layout == torch.strided
-        parts = (*value.shape, *value.stride(), value.storage_offset()) if strided else value.shape
-        for size in parts:
-            if isinstance(size, torch.SymInt):
-                _expression(size, found, cache)
-    elif isinstance(value, _HOST):
-        _expression(value, found, cache)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            _collect(item, found, cache)
-
-
-def _expression(value, found: set, cache: dict) -> None:
-    expr = value.node.expr
-    known = cache.get(expr)
-    if known is None:
-        known = cache[expr] = expr.free_symbols
-    found.update(known)
-
-
 def _carried_state(source) -> bool:
     """Whether a source reaches its value through an attribute of an object (the state a model
     or a cache carries, ``L['cache'].layers[0].keys``) rather than being an argument the caller
@@ -336,19 +306,3 @@ def _carried_state(source) -> bool:
             return True
         source = getattr(source, "base", None)
     return False
-
-
-_NESTED = re.compile(r"^L\['(?:kwargs|args)'\]\['([A-Za-z_]\w*)'\]")
-_SIZE = re.compile(r"\.size\(\)\[(\d+)\]")
-_STRIDE = re.compile(r"\.stride\(\)\[(\d+)\]")
-
-
-def describe(source: str) -> str:
-    """Dynamo's source name in the model's terms: ``L['kwargs']['cache'].layers[0].keys.size()[2]``
-    -> ``cache.layers[0].keys.size(2)``, ``L['x']`` -> ``x``; other names are returned as they
-    are."""
-    text = _NESTED.sub(r"\1", source, count=1)
-    if text == source:
-        text = re.sub(r"^L\['([A-Za-z_]\w*)'\]", r"\1", source, count=1)
-    text = _SIZE.sub(r".size(\1)", text)
-    return _STRIDE.sub(r".stride(\1)", text)

@@ -78,7 +78,7 @@ class InputSpec:
             else ``"<piece> output"``.
         kind: ``PARAM``, ``RUNNER``, ``INTERNAL`` or ``HOST``.
         symbolic: a tensor with a symbolic (dynamic) dimension: its shape is part of the key.
-        written: the piece writes its data (from :mod:`fxsplit.passes.aliasing`).
+        written: the piece writes its data (from :mod:`fxsplit.facts.aliasing`).
         rebound: a parameter or buffer that moved on consecutive calls (the model rebinds it,
             or weights were reloaded twice), now copied like a runner input: its version
             counter is not trusted to tell a change, since weight loaders write through

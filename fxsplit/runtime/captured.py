@@ -7,7 +7,7 @@ changed value into fxsplit's own buffer, refuse a moved persistent tensor), inva
 out outputs the replay may overwrite, replay, write back what the piece writes, and rebuild
 outputs that are views of an input over the caller's tensor. Parameters are not looked at here:
 the graph runtime checks them once per step. What the piece writes and aliases is read from its
-:class:`~fxsplit.passes.aliasing.PieceAliasing`, computed once at split time.
+:class:`~fxsplit.facts.aliasing.PieceAliasing`, computed once at split time.
 
 With capture off and ``input_binding="strict"`` the same object only checks: the call that would
 capture fixes the addresses of the persistent inputs, later calls of that key are checked as a
@@ -25,7 +25,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxsplit import counters
-from fxsplit.passes.aliasing import PieceAliasing
+from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec
 from fxsplit.runtime.replay_watch import Watch
@@ -131,7 +131,7 @@ class CapturedPiece(torch.nn.Module):
         piece: the piece module (its ``forward`` is the uncaptured code).
         specs: one :class:`~fxsplit.runtime.binding.InputSpec` per input.
         key_reads: what the capture key reads (:func:`fxsplit.runtime.binding.key_reads`).
-        aliasing: what the piece writes and aliases (:mod:`fxsplit.passes.aliasing`).
+        aliasing: what the piece writes and aliases (:mod:`fxsplit.facts.aliasing`).
         plan_piece: the :class:`~fxsplit.plan.Piece` (regions for messages, devices).
         runtime: the :class:`~fxsplit.runtime.graph_runtime.GraphRuntime` that owns it.
         generators: the CUDA generators other than the default one its nodes draw from.
@@ -558,7 +558,7 @@ class CapturedPiece(torch.nn.Module):
         Raises:
             _Refused: the analysis failed (the piece runs uncaptured from now on).
         """
-        from fxsplit.passes import aliasing
+        from fxsplit.facts import aliasing
 
         python = self.check_uncompiled or self.run_uncaptured
         facts = aliasing.analyse(python, list(inputs), self.num_outputs)

@@ -36,8 +36,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxsplit.collectives import is_collective
-from fxsplit.passes import op_facts
-from fxsplit.passes.ops import dispatched_op_name
+from fxsplit.facts import op_facts
+from fxsplit.facts.ops import dispatched_op_name
 from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.storage import storage_ptr
 
@@ -96,7 +96,7 @@ class StateMovedError(MovedMemoryError):
 # --------------------------------------------------------------------------------------------
 
 # What capture rejects, and which ops only allocate, is one set of facts for the mark pass and
-# the emulator: fxsplit.passes.op_facts.
+# the emulator: fxsplit.facts.op_facts.
 _illegal_op = op_facts.capture_refusal
 _ALLOC_OPS = op_facts.ALLOCATIONS
 _op_name = dispatched_op_name

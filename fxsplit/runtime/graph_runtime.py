@@ -14,6 +14,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -21,8 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxsplit import counters
 from fxsplit.config import Config
-from fxsplit.passes import Split, materialise
-from fxsplit.passes.aliasing import PieceAliasing
+from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError, new_own_buffer
 from fxsplit.runtime.captured import buffer_key as captured_buffer_key
@@ -31,6 +31,9 @@ from fxsplit.runtime.pool import MemoryPool
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import clone_sharing, storage_ptr, view_over
 from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
+
+if TYPE_CHECKING:  # the compile half's record, never imported at run time
+    from fxsplit.passes import Split
 
 log = logging.getLogger("fxsplit")
 
@@ -500,7 +503,9 @@ class GraphRuntime:
                 captured = CapturedPiece(
                     module, specs, reads, facts, plan_piece, self, _generators(part.nodes)
                 )
-                materialise.bind_piece(self._stitched, captured)
+                # the stitched module's generated code calls it through its instance dict
+                self._stitched.register_module(captured.name, captured)
+                object.__setattr__(self._stitched, captured.name, captured)
                 pieces.append(captured)
             for name in module.output_names:
                 producer[nodes[name]] = module.name

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fxsplit.passes.step_sizes import describe, symbols
+from fxsplit.facts.symbols import describe, symbols
 from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
 log = logging.getLogger("fxsplit")

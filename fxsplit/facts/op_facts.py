@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxsplit.passes.ops import dispatched_op_name, op_name, op_names
+from fxsplit.facts.ops import dispatched_op_name, op_name, op_names
 
 __all__ = [
     "ALLOCATIONS",

@@ -1,0 +1,56 @@
+"""The package's layering: the runtime reads facts (``fxsplit/facts/``), never the compile half
+(``fxsplit/passes/``) or the tools."""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "fxsplit"
+RUNTIME = sorted((ROOT / "runtime").glob("*.py"))
+
+
+def _runtime_imports(path: pathlib.Path) -> list[str]:
+    """Modules ``path`` imports when it runs (``if TYPE_CHECKING:`` blocks left out)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for stmt in block.body
+        for node in ast.walk(stmt)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+    return found
+
+
+@pytest.mark.parametrize("path", RUNTIME, ids=lambda p: p.name)
+def test_the_runtime_imports_nothing_from_the_passes_or_the_tools(path):
+    bad = [
+        name
+        for name in _runtime_imports(path)
+        if name.startswith(("fxsplit.passes", "fxsplit.tools"))
+    ]
+    assert not bad, f"{path.name} imports {bad}"
+
+
+def test_a_runtime_module_that_imported_a_pass_would_be_caught(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from fxsplit.passes import Split\n"
+        "def f():\n    from fxsplit.passes import op_facts\n"
+    )
+    assert _runtime_imports(module) == [
+        "typing",
+        "typing.TYPE_CHECKING",
+        "fxsplit.passes",
+        "fxsplit.passes.op_facts",
+    ]
