@@ -20,6 +20,14 @@ import torch
 
 import fxsplit
 from fxsplit.models import deepseek_v4
+from fxsplit.runtime.lending import Borrower
+
+
+class _NoOp(torch.nn.Module):
+    """An eager piece that does nothing: what remains of a call is the call and the lending."""
+
+    def forward(self, *inputs):
+        return None
 
 
 def _per_call_us(piece, inputs, calls: int) -> float:
@@ -88,12 +96,42 @@ def main() -> None:
             check(inputs)
         per_step = (time.perf_counter() - start) / args.calls * 1e6
 
-        references = runtime.pool.references
+        loans = runtime.pool.ledger.loans
         start = time.perf_counter()
         for _ in range(args.calls):
-            references.kept()
-        kept_us = (time.perf_counter() - start) / args.calls * 1e6
-        followed = len(references._counts)
+            loans.settle()
+        settle_us = (time.perf_counter() - start) / args.calls * 1e6
+        lent = len(loans.lent)
+
+        # One replayed step records what each eager piece reading captured outputs is handed.
+        stitched = runtime._stitched
+        borrowers = {n: b for n, b in vars(stitched).items() if isinstance(b, Borrower)}
+        eager_inputs = {}
+        for name, borrower in borrowers.items():
+
+            def spy_eager(*inputs, _name=name, _borrower=borrower):
+                eager_inputs[_name] = inputs
+                return _borrower(*inputs)
+
+            object.__setattr__(stitched, name, spy_eager)
+        compiled(*step)
+        for name, borrower in borrowers.items():
+            object.__setattr__(stitched, name, borrower)
+        lending = []
+        for name, borrower in borrowers.items():
+            piece_inputs = eager_inputs[name]
+            noop = _NoOp()
+            plain = Borrower(noop, (), loans)  # the call, no loans
+            lent_call = Borrower(noop, borrower.positions, loans)
+            lending.append(
+                (
+                    name,
+                    len(borrower.positions),
+                    _per_call_us(noop, piece_inputs, args.calls),  # as an nn.Module call
+                    _per_call_us(plain, piece_inputs, args.calls),
+                    _per_call_us(lent_call, piece_inputs, args.calls),
+                )
+            )
 
     print(f"runner {args.runner}, {len(runtime.pieces)} captured pieces, {args.calls} calls each")
     print("us/call bound: inputs at their captured addresses (steady state, no copies)")
@@ -104,7 +142,12 @@ def main() -> None:
         print(f"{name:10} {n_inputs:6d} {n_params:6d} {n_checked:7d} {bound:8.2f} {real:8.2f}")
     n_params = len(runtime._params)
     print(f"parameter address check, once per step: {per_step:.2f} us, {n_params} params")
-    print(f"kept-reference check, once per step: {kept_us:.2f} us, {followed} captured outputs")
+    print(f"kept-loan check, once per step: {settle_us:.2f} us, {lent} outputs lent to eager code")
+    for name, n_lent, module_us, plain, lent_us in lending:
+        print(
+            f"eager {name}: {n_lent} lent inputs; called as a module {module_us:.2f} us, "
+            f"as a borrower {plain:.2f} us, with its loans {lent_us:.2f} us"
+        )
 
 
 if __name__ == "__main__":

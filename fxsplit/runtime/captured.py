@@ -162,6 +162,7 @@ class CapturedPiece(torch.nn.Module):
         self.min_warmups = max(runtime.warmup_runs, 1 if compiled else 0)
         self.specs = specs
         self.aliasing = aliasing
+        self.output_names = piece.output_names
         self.num_outputs = len(piece.output_names)
         self.generators = generators
         self.regions = frozenset(plan_piece.regions)
@@ -171,6 +172,8 @@ class CapturedPiece(torch.nn.Module):
             j for j, name in enumerate(piece.output_names) if name in plan_piece.unset
         )
         self.runtime = runtime
+        # its outputs that eager pieces read, lent to them (fxsplit.runtime.lending)
+        self.lent: tuple[int, ...] = ()
         self.entries: dict[tuple, _Entry] = {}
         self.warmups: dict[tuple, int] = {}
         self.failed: str | None = _never_captured(specs, aliasing, plan_piece.devices)
@@ -355,14 +358,7 @@ class CapturedPiece(torch.nn.Module):
             self.entries[key] = self._fix_addresses(key, inputs)
             return self._uncaptured(inputs, key)
         try:
-            with runtime.pool.references.structural():
-                entry = self._capture(key, inputs)
-            runtime.pool.references.watch(
-                (ident for ident, _ in entry.owned),
-                runtime.static_outputs,
-                runtime.graph_id,
-                self.name,
-            )
+            entry = self._capture(key, inputs)
         except BindingError:
             raise
         except _Refused as why:
@@ -381,6 +377,11 @@ class CapturedPiece(torch.nn.Module):
             self._refuse(self.failed)
             return out
         self.entries[key] = entry
+        if self.lent:
+            owned = {ident for ident, _ in entry.owned}
+            outputs = _flat(entry.outputs)
+            lent = [outputs[j] for j in self.lent if id(outputs[j]) in owned]
+            runtime.pool.ledger.loans.lend(lent, entry.order, runtime.graph_id, self.name)
         self.stats.add(entry.counts, "captures")
         self._check_global_state(before)
         return self._results(entry, inputs)
@@ -417,9 +418,7 @@ class CapturedPiece(torch.nn.Module):
             runtime.static_outputs.pop(ident, None)
             runtime.pool.owners.pop(ptr, None)
         runtime.pool.ledger.release_order(entry.order, runtime.pool.step)
-        runtime.pool.references.forget(ident for ident, _ in entry.owned)
-        with runtime.pool.references.structural():
-            entry.graph.reset()
+        entry.graph.reset()
 
     def _fix_addresses(self, key, inputs) -> _Entry:
         """Capture off, strict binding: the entry that fixes the persistent inputs' addresses

@@ -26,6 +26,7 @@ from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError, new_own_buffer
 from fxsplit.runtime.captured import buffer_key as captured_buffer_key
+from fxsplit.runtime.lending import Borrower
 from fxsplit.runtime.output_lifetime import can_swap, poison
 from fxsplit.runtime.pool import MemoryPool
 from fxsplit.runtime.stats import PieceStats
@@ -135,12 +136,14 @@ class CaptureSession:
                 pool.begin_step(self.step)
                 if not pool.ledger.poison and not self._warned_held:
                     self._warn_held(pool)
-                for kept in pool.references.kept():
+                for kept in pool.ledger.loans.settle():
                     self.warn_kept(*kept)
         self._called.add(id(graph))
 
     def _warn_held(self, pool: MemoryPool) -> None:
-        held = pool.ledger.held_stale(self.step)
+        # held one step after it was overwritten is no sign of keeping: in ``h = a(x); o = b(h)``
+        # the old ``o``, overwritten by ``a``'s replay, is still bound while ``b`` runs
+        held = pool.ledger.held_stale(self.step - 1)
         if held:
             self._warned_held = True
             warn_at_caller(
@@ -152,23 +155,18 @@ class CaptureSession:
                 FxsplitRuntimeWarning,
             )
 
-    def warn_kept(self, graph_id: str, piece: str, copied: bool = False) -> None:
-        """Warn once per piece that an output eager code was handed is still referenced
-        (``copied``: the graph returns it as a copy, ``clone_outputs``, so the model's later
-        writes to it reach the copy only)."""
+    def warn_kept(self, graph_id: str, piece: str) -> None:
+        """Warn once per piece that an output lent to eager code is still referenced after its
+        call, where this torch can neither move nor invalidate it
+        (:meth:`~fxsplit.runtime.lending.Loans.settle`)."""
         if (graph_id, piece) in self._warned_kept:
             return
         self._warned_kept.add((graph_id, piece))
-        what = (
-            "the graph returns it as a copy (clone_outputs): what kept it misses the model's "
-            "later writes to it, and the next replay overwrites it"
-            if copied
-            else "the next replay overwrites it: what kept it will read later values"
-        )
         warn_at_caller(
             f"fxsplit {graph_id}: an output of captured {piece} is still referenced after the "
             "call that handed it to eager code (an op, a custom op or a hook kept it), and "
-            f"{what}. Clone it where it is kept (t.clone())",
+            "this torch cannot move it out of the pool: the next replay overwrites it. Clone "
+            "it where it is kept (t.clone())",
             FxsplitRuntimeWarning,
         )
 
@@ -507,9 +505,30 @@ class GraphRuntime:
                 self._stitched.register_module(captured.name, captured)
                 object.__setattr__(self._stitched, captured.name, captured)
                 pieces.append(captured)
+            elif self.pool is not None:
+                self._lend_to(module, nodes, producer, pieces)
             for name in module.output_names:
                 producer[nodes[name]] = module.name
         return pieces
+
+    def _lend_to(self, module, nodes: dict, producer: dict, captured: list) -> None:
+        """Hand eager piece ``module`` the captured outputs it reads as loans
+        (:mod:`fxsplit.runtime.lending`)."""
+        by_name = {piece.name: piece for piece in captured}
+        positions = []
+        lent: dict[str, set[int]] = {}
+        for i, name in enumerate(module.input_names):
+            piece = by_name.get(producer.get(nodes[name]))
+            if piece is not None:
+                positions.append(i)
+                lent.setdefault(piece.name, set()).add(piece.output_names.index(name))
+        if not positions:
+            return
+        for name, outputs in lent.items():
+            piece = by_name[name]
+            piece.lent = tuple(sorted({*piece.lent, *outputs}))
+        borrower = Borrower(module, tuple(positions), self.pool.ledger.loans)
+        object.__setattr__(self._stitched, module.name, borrower)
 
     def __call__(self, *args):
         session = self.session
@@ -547,8 +566,6 @@ class GraphRuntime:
         try:
             out = self._forward(*args)
         except BaseException as error:
-            if pool is not None:  # the exception's frames hold outputs the model never kept
-                pool.references.forgive()
             if isinstance(error, RuntimeError) and _NOT_RESIZABLE in str(error):
                 raise RuntimeError(
                     f"fxsplit {self.graph_id}: the model resized (resize_) a tensor in a "
@@ -563,12 +580,6 @@ class GraphRuntime:
                 out = _hand_back(out, handed, self.graph_id)
                 session.forget_taken(handed)
         if pool is not None:
-            if self.clone_outputs or not pool.ledger.can_invalidate:
-                # the caller and the model's next graph get copies: an op that kept a captured
-                # output it was handed now holds other memory than the one the model goes on
-                # with, from this call on
-                for graph_id, piece in pool.references.kept(out):
-                    session.warn_kept(graph_id, piece, copied=True)
             out = self._hand_out(out, pool)
         session.record_outputs(self, out, args)
         return out
@@ -609,8 +620,12 @@ class GraphRuntime:
             return out
         result = list(out)
         if self.clone_outputs or not pool.ledger.can_invalidate:
+            loans, kept = pool.ledger.loans, {}
             for j, copy in zip(mine, clone_sharing([out[j] for j in mine]), strict=True):
-                result[j] = copy
+                ptr = storage_ptr(out[j])
+                if ptr not in kept:
+                    kept[ptr] = loans.kept_storage(ptr)
+                result[j] = copy if kept[ptr] is None else view_over(kept[ptr], out[j])
             return tuple(result)
         storages: dict[int, torch.UntypedStorage] = {}
         step, graph_id = pool.step, self.graph_id

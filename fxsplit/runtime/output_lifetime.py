@@ -33,35 +33,29 @@ model reads it back at its next call.
 Outputs whose storage dies are simply forgotten: a caller that drops what it does not keep pays
 nothing.
 
-A captured piece's output that only eager pieces of the same graph read is handed to them as the
-pool's own tensor (a fresh storage per call would cost every step of every layer). An op there
-that keeps a reference past the call (a custom op or a hook storing its argument) would see the
-next replay's values. :class:`OutputReferences` finds that kind from the outputs' reference
-counts at each step's start, and fxsplit warns before the replay that overwrites it.
+A captured piece's output that an eager piece of the same graph reads is lent to it
+(:mod:`fxsplit.runtime.lending`): a loan an eager op keeps moves out of the pool before the next
+step's replays, and the ledger frees loans with its other hand-outs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
-import weakref
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxsplit.runtime.storage import view_over
+from fxsplit.runtime.lending import Loans
+from fxsplit.runtime.storage import may_move, move_out, view_over
 
-__all__ = ["OutputLedger", "OutputReferences", "StaleOutputError", "can_swap", "poison"]
+__all__ = ["OutputLedger", "StaleOutputError", "can_swap", "poison"]
 
 log = logging.getLogger("fxsplit")
 
 _POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
 # torch 2.11 lacks it: there the emulator invalidates as CUDA does (a read raises)
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-_USE_COUNT = torch._C._storage_Use_Count  # tensors (and storage objects) over one storage
 
 
 def can_swap() -> bool:
@@ -109,10 +103,14 @@ class OutputLedger:
     Args:
         poison: invalidate by making reads raise (CUDA); else by copying the values out
             (the emulator).
+
+    Attributes:
+        loans: the outputs lent to eager pieces (:class:`~fxsplit.runtime.lending.Loans`).
     """
 
     def __init__(self, poison: bool):
         self.poison = (poison or not _CAN_SWAP) and _POISON is not None
+        self.loans = Loans(poison=self.poison)
         self.can_invalidate = self.poison or _CAN_SWAP  # else outputs are handed out as clones
         self._live: dict[int, _HandOut] = {}  # storage cdata -> hand-out
         self._high = -1  # highest capture order among live hand-outs (a bound)
@@ -210,7 +208,8 @@ class OutputLedger:
     def before_copy(self, ptr: int, step: int) -> None:
         """A copy outside any replay is about to write the memory at ``ptr`` (an earlier
         piece's output buffer, refilled after that piece ran uncaptured): invalidate the live
-        hand-outs over it."""
+        hand-outs over it, and the loans eager ops kept."""
+        self.loans.before_copy(ptr)
         for cdata, handed in list(self._live.items()):
             if handed.ptr == ptr:
                 del self._live[cdata]
@@ -219,7 +218,8 @@ class OutputLedger:
 
     def release_order(self, order: int, step: int) -> None:
         """The graph of capture order ``order`` is being freed: its live hand-outs move to
-        memory of their own (:meth:`_release`)."""
+        memory of their own (:meth:`_release`), as do its loans eager ops kept."""
+        self.loans.release(order)
         for cdata, handed in list(self._live.items()):
             if handed.order == order:
                 del self._live[cdata]
@@ -228,7 +228,8 @@ class OutputLedger:
 
     def release_all(self, step: int) -> None:
         """The pool's memory is being released: every live hand-out moves to memory of its own
-        (:meth:`_release`)."""
+        (:meth:`_release`), as does every loan an eager op kept."""
+        self.loans.release()
         for handed in self._live.values():
             if not handed.ref.expired():
                 self._release(handed, step)
@@ -266,9 +267,9 @@ class OutputLedger:
     def _overwritten(self, handed: _HandOut, step: int) -> None:
         """A write is about to reuse ``handed``'s memory: the model's state moves (where this
         torch can move a storage), anything else is invalidated."""
-        if handed.state and _may_move():
+        if handed.state and may_move():
             self.moved += 1
-            _move_out(handed.ref.cdata)
+            move_out(handed.ref.cdata)
         else:
             self._invalidate(handed, step)
 
@@ -276,9 +277,9 @@ class OutputLedger:
         """Its graph is freed, so no replay will write it: where this torch can move a
         storage, its values move to memory of their own and it stays readable (a model's state
         rebound to an output survives a reset, as in eager); else it is invalidated."""
-        if _may_move():
+        if may_move():
             self.moved += 1
-            _move_out(handed.ref.cdata)
+            move_out(handed.ref.cdata)
         else:
             self._invalidate(handed, step)
 
@@ -288,119 +289,5 @@ class OutputLedger:
         if self.poison:
             _POISON(cdata, stale_message(handed.graph_id))
         else:
-            _move_out(cdata)
+            move_out(cdata)
         self._stale[cdata] = (handed.ref, handed.graph_id, step)
-
-
-def _may_move() -> bool:
-    """Whether a held output may move to memory of its own now: this torch can move a storage,
-    and no CUDA capture is under way on this thread (a collected backend's finalizer may run
-    inside one: the copy would be recorded into that graph, its memory taken from its pool)."""
-    if not _CAN_SWAP:
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def _move_out(cdata: int) -> None:
-    """Give the storage ``cdata`` a copy of its values in memory of its own (outside any pool:
-    never during a capture, see :func:`_may_move`)."""
-    storage = torch.UntypedStorage._new_with_weak_ptr(cdata)
-    if storage is None:
-        return
-    copy = torch.UntypedStorage(storage.nbytes(), device=storage.device)
-    copy.copy_(storage)
-    storage._swap_data_ptr_(copy)
-
-
-class OutputReferences:
-    """How many references each captured output has that fxsplit accounts for.
-
-    fxsplit's own references to a captured output (the piece's outputs, later pieces' static
-    inputs bound to it, the emulator's record) change only while a graph is captured or
-    dropped: :meth:`structural` measures those changes. Any other reference that appears
-    between two steps was kept by the model (an op in an eager piece, a custom op or a hook
-    that stored a tensor it was handed, or a view of it), and the next replay overwrites what
-    it sees. A reference is counted three ways, each catching one way of keeping: the Python
-    object's reference count (the same tensor stored), the tensor's own (C++ code holding it)
-    and its storage's (a view kept). Outputs are held by weak reference.
-    """
-
-    def __init__(self):
-        self._counts: dict[int, list] = {}  # id(output) -> [count, weak reference, graph, piece]
-        self._forgiven = False
-
-    def forgive(self) -> None:
-        """The next :meth:`kept` reports nothing (a call raised: its traceback, wherever the
-        caller keeps it, holds the frames that held outputs)."""
-        self._forgiven = True
-
-    def watch(self, idents, outputs: dict, graph_id: str, piece: str) -> None:
-        """Follow ``outputs[i]`` for each ``i`` in ``idents`` (tensors of ``graph_id``'s
-        ``piece``, just captured). Call it where nothing but fxsplit's own structures holds
-        them: no local variable of the capture may still refer to them."""
-        for ident in idents:
-            out = outputs[ident]
-            n = sys.getrefcount(out) + out._use_count() + _USE_COUNT(out.untyped_storage()._cdata)
-            self._counts[ident] = [n, weakref.ref(out), graph_id, piece]
-
-    def forget(self, idents) -> None:
-        """Stop following the outputs of these ``id()``\\s (their graph is dropped)."""
-        for ident in idents:
-            self._counts.pop(ident, None)
-
-    @contextlib.contextmanager
-    def structural(self):
-        """A block in which fxsplit adds or drops its own references (a capture, a dropped
-        graph): what changes there is not the model's, unless the block raises."""
-        counts = self._counts
-        before = self._now()
-        # a block that raises changed nothing of fxsplit's (a failed capture leaves nothing
-        # behind), while the exception's frames still hold what the call was handed
-        yield
-        for ident, n in self._now().items():
-            if ident in before:
-                counts[ident][0] += n - before[ident]
-
-    def kept(self, returned: tuple = ()) -> list[tuple[str, str]]:
-        """``(graph, piece)`` of each output the model gained a reference to since the last
-        call (reported once per new reference); forgets outputs that are gone. ``returned``:
-        the values a call under way is about to return (its own references, not kept)."""
-        found = []
-        forgiven, self._forgiven = self._forgiven, False
-        counts = self._counts
-        now = self._now()
-        if returned:
-            # each place holding an output is one reference; each other tensor over its
-            # storage (a view) one more use of the storage
-            places = Counter(id(v) for v in returned if isinstance(v, torch.Tensor))
-            tensors = {id(v): v for v in returned if isinstance(v, torch.Tensor)}
-            over = Counter(
-                v.untyped_storage()._cdata for v in tensors.values() if v.layout == torch.strided
-            )
-            for ident in now:
-                out = counts[ident][1]()
-                if out is None:  # collected since _now()
-                    continue
-                views = over[out.untyped_storage()._cdata] - (id(out) in tensors)
-                now[ident] -= places[id(out)] + views
-        for ident, n in now.items():
-            entry = counts[ident]
-            if n > entry[0] and not forgiven:
-                found.append((entry[2], entry[3]))
-            entry[0] = n
-        return found
-
-    def _now(self) -> dict[int, int]:
-        """Each live output's count now (forgetting the dead). Counted in this frame, never
-        through a Python call: an argument's reference count depends on how the interpreter
-        calls (it reads one more after Dynamo failed to compile a frame)."""
-        now = {}
-        for ident, entry in list(self._counts.items()):
-            out = entry[1]()
-            if out is None:
-                del self._counts[ident]
-                continue
-            now[ident] = (
-                sys.getrefcount(out) + out._use_count() + _USE_COUNT(out.untyped_storage()._cdata)
-            )
-        return now

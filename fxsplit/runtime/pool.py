@@ -26,7 +26,7 @@ import torch
 
 from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.graphs import DeviceCapture, new_graph
-from fxsplit.runtime.output_lifetime import OutputLedger, OutputReferences
+from fxsplit.runtime.output_lifetime import OutputLedger
 
 __all__ = ["MemoryPool"]
 
@@ -40,7 +40,6 @@ class MemoryPool:
 
     Attributes:
         ledger: the outputs handed out of this pool.
-        references: the references to captured outputs that fxsplit accounts for.
         high: the highest capture order replayed or captured in the current step.
         owners: data pointer of each captured graph's output storage -> that graph's order.
     """
@@ -51,7 +50,6 @@ class MemoryPool:
         self.cuda = DeviceCapture(device) if mode == "cuda" else None
         self.emulated = EmulatedPool(device) if mode == "emulate" else None
         self.ledger = OutputLedger(poison=mode == "cuda")
-        self.references = OutputReferences()
         self.owners: dict[int, int] = {}
         self.high = -1
         self.step = 0

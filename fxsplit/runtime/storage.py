@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["clone_sharing", "storage_ptr", "view_over"]
+__all__ = ["clone_sharing", "may_move", "move_out", "storage_ptr", "view_over"]
 
 
 def storage_ptr(tensor: torch.Tensor) -> int | None:
@@ -55,3 +55,23 @@ def clone_sharing(values: Sequence[object]) -> list[object]:
             copy = storages[key] = storage.clone()
         out.append(view_over(copy, value))
     return out
+
+
+def may_move() -> bool:
+    """Whether a held output may move to memory of its own now: this torch can move a storage,
+    and no CUDA capture is under way on this thread (a collected backend's finalizer may run
+    inside one: the copy would be recorded into that graph, its memory taken from its pool)."""
+    if not hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def move_out(cdata: int) -> None:
+    """Give the storage ``cdata`` a copy of its values in memory of its own (outside any pool:
+    never during a capture, see :func:`may_move`)."""
+    storage = torch.UntypedStorage._new_with_weak_ptr(cdata)
+    if storage is None:
+        return
+    copy = torch.UntypedStorage(storage.nbytes(), device=storage.device)
+    copy.copy_(storage)
+    storage._swap_data_ptr_(copy)

@@ -1,0 +1,230 @@
+"""Captured outputs lent to the eager pieces of their graph, and what becomes of one an eager op
+keeps.
+
+A captured piece's output that an eager piece reads (the hidden state an attention op or a
+drafter's custom op is handed) lives in the pool, and the piece's next replay writes it again.
+An op may keep what it was handed past the call (EAGLE/MTP-style reuse of the hidden state, a
+hook that stores its argument); in eager it would keep that step's values. So an eager piece is
+handed such an output as a *loan*: a view over a storage object of its own (one ``StorageImpl``
+per pool storage, made once per capture) over the pool's memory, never the pool's own tensor.
+At the start of each step, before any replay can write the pool, a loan over which any tensor
+beyond fxsplit's own views still exists was kept: its storage moves to memory of its own with
+that step's values (``UntypedStorage._swap_data_ptr_``), so whatever kept it reads what eager's
+would, and the piece's later loans get a fresh storage. Nothing is counted per call: a loan is
+found kept from its storage's and views' use counts, which only tensors over it raise, and a
+false alarm (a traceback holding a frame) costs one copy, never a wrong number.
+
+Where this torch cannot move a storage (2.11), a kept loan is invalidated as CUDA invalidates a
+handed-out output (a read raises) where the hook for that exists, else warned about.
+
+The ledger (:class:`~fxsplit.runtime.output_lifetime.OutputLedger`) frees loans with the rest of
+its hand-outs: a graph freed, the pool released, a copy into the memory outside any replay.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from fxsplit.runtime.storage import may_move, move_out, storage_ptr, view_over
+
+__all__ = ["Borrower", "Loans"]
+
+_POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+_USE_COUNT = torch._C._storage_Use_Count  # tensors (and storage objects) over one storage
+
+
+@dataclass(eq=False)
+class _Loan:
+    """One pool storage lent out: ``views[i]`` is ``sources[i]`` (a pool tensor) over a storage
+    of its own; ``base`` is what :func:`_uses` reads when nothing but fxsplit holds them."""
+
+    order: int  # capture order of the graph that writes the memory
+    ptr: int  # the memory's address
+    graph_id: str
+    piece: str
+    sources: list
+    views: list
+    cdata: int = 0
+    base: int = 0
+
+
+def _uses(loan: _Loan) -> int:
+    """Every reference to the loan's views and storage: a kept tensor (the view itself, or any
+    view of it, held by Python or C++ code) raises one of them."""
+    n = _USE_COUNT(loan.cdata)
+    for view in loan.views:
+        n += sys.getrefcount(view) + view._use_count()
+    return n
+
+
+class Loans:
+    """The pool outputs lent to eager pieces (one per pool, shared by its graphs).
+
+    Attributes:
+        lent: ``id(pool tensor)`` -> ``(pool tensor, its loan view, the loan storage's
+            cdata)``, read by :class:`Borrower` on every call of an eager piece.
+        moved: kept loans moved to memory of their own, in all.
+    """
+
+    def __init__(self, poison: bool):
+        self.poison = poison and _POISON is not None
+        self.lent: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._loans: list[_Loan] = []
+        self._at: dict[int, _Loan] = {}  # memory address -> its loan
+        self.moved = 0
+
+    def lend(self, outputs, order: int, graph_id: str, piece: str) -> None:
+        """Lend ``outputs`` (pool tensors of ``graph_id``'s ``piece``, of capture order
+        ``order``, that eager pieces read) from now on; tensors over one pool storage share one
+        loan, as they share memory."""
+        groups: dict[int, list[torch.Tensor]] = {}
+        for out in outputs:
+            groups.setdefault(storage_ptr(out), []).append(out)
+        for ptr, sources in groups.items():
+            loan = _Loan(order, ptr, graph_id, piece, sources, [])
+            self._fill(loan)
+            self._loans.append(loan)
+            self._at[ptr] = loan
+
+    def _fill(self, loan: _Loan) -> None:
+        """Give ``loan`` a fresh storage over its memory and views over it."""
+        first = loan.sources[0]
+        storage = torch._C._construct_storage_from_data_pointer(
+            loan.ptr, first.device, first.untyped_storage().nbytes()
+        )
+        loan.views = [view_over(storage, source) for source in loan.sources]
+        loan.cdata = storage._cdata
+        del storage
+        # (a comprehension: a loop variable left bound to a view would count in ``base``)
+        self.lent.update(
+            {id(s): (s, v, loan.cdata) for s, v in zip(loan.sources, loan.views, strict=True)}
+        )
+        loan.base = _uses(loan)
+
+    def settle(self) -> list[tuple[str, str]]:
+        """A step begins: every loan an eager op kept moves to memory of its own (or is
+        invalidated where this torch cannot move it). Returns ``(graph, piece)`` of those kept
+        where neither is possible (warned about: the next replay overwrites them)."""
+        unsafe = []
+        for loan in self._loans:
+            if _uses(loan) != loan.base and not self._give_up(loan):
+                unsafe.append((loan.graph_id, loan.piece))
+        return unsafe
+
+    def before_copy(self, ptr: int) -> None:
+        """A copy outside any replay is about to write the memory at ``ptr``: loans over it
+        that were kept leave it first."""
+        for loan in self._loans:
+            if loan.ptr == ptr and _uses(loan) != loan.base:
+                self._give_up(loan)
+
+    def release(self, order: int | None = None) -> None:
+        """The graph of capture order ``order`` (every graph, for None) is being freed: kept
+        loans over its memory leave it, and nothing is lent from it any more."""
+        keep = []
+        for loan in self._loans:
+            if order is not None and loan.order != order:
+                keep.append(loan)
+                continue
+            if _uses(loan) != loan.base:
+                self._give_up(loan, refill=False)
+            for source in loan.sources:
+                self.lent.pop(id(source), None)
+            if self._at.get(loan.ptr) is loan:
+                del self._at[loan.ptr]
+        self._loans = keep
+
+    def kept_storage(self, ptr: int) -> torch.UntypedStorage | None:
+        """The memory at ``ptr`` (a pool storage the graph returns as a copy,
+        ``clone_outputs``) as an eager op kept it, if one did: it moves out of the pool now, so
+        that the caller's tensor can share it with the op's, as eager's one tensor would (a
+        copy would miss the model's later writes, after a graph break, to what the op kept).
+        None where no loan of it is kept, or where it cannot move."""
+        loan = self._at.get(ptr)
+        if loan is None or _uses(loan) == loan.base or not may_move():
+            return None
+        self.moved += 1
+        move_out(loan.cdata)
+        storage = torch.UntypedStorage._new_with_weak_ptr(loan.cdata)
+        self._fill(loan)
+        return storage
+
+    def _give_up(self, loan: _Loan, refill: bool = True) -> bool:
+        """The loan was kept: its storage leaves the pool (moved, or made to raise when read)
+        and, with ``refill``, the pool tensors are lent anew. False where neither can be done
+        (the loan stays, warned about)."""
+        if may_move():
+            self.moved += 1
+            move_out(loan.cdata)
+        elif self.poison:
+            _POISON(loan.cdata, _kept_message(loan))
+        else:
+            return False
+        if refill:
+            self._fill(loan)
+        return True
+
+
+def _kept_message(loan: _Loan) -> str:
+    return (
+        f"fxsplit {loan.graph_id}: this tensor is an output of captured {loan.piece} that an "
+        "eager op kept past the call that handed it; a later replay has overwritten it and this "
+        "torch cannot move it to memory of its own. Clone it where it is kept (t.clone())"
+    )
+
+
+class Borrower:
+    """An eager piece called with loans in place of the pool tensors it reads (see the module
+    docstring); what it returns over a loan's memory goes on as the pool's tensor, so later
+    pieces and the caller never see a loan.
+
+    Args:
+        piece: the eager :class:`~fxsplit.passes.materialise.PieceModule`.
+        positions: indices of its inputs that captured pieces produce.
+        loans: the pool's :class:`Loans`.
+    """
+
+    __slots__ = ("lent", "piece", "positions")
+
+    def __init__(self, piece: torch.nn.Module, positions: tuple[int, ...], loans: Loans):
+        self.piece = piece
+        self.positions = positions
+        self.lent = loans.lent
+
+    def __call__(self, *args):
+        # the piece's forward, as the stitched module's call of it would run (it has no hooks)
+        lent = self.lent
+        if not lent:
+            return self.piece.forward(*args)
+        borrowed = None
+        for i in self.positions:
+            hit = lent.get(id(args[i]))
+            if hit is not None and hit[0] is args[i]:
+                if borrowed is None:
+                    borrowed, args = {}, list(args)
+                borrowed[hit[2]] = hit[0]
+                args[i] = hit[1]
+        out = self.piece.forward(*args)
+        if borrowed is None:
+            return out
+        return _returned(out, borrowed)
+
+
+def _returned(out, borrowed: dict):
+    """``out`` with each tensor over a loan's storage rebuilt over the pool tensor's."""
+    single = not isinstance(out, tuple)
+    values = (out,) if single else out
+    result = None
+    for j, value in enumerate(values):
+        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+            source = borrowed.get(value.untyped_storage()._cdata)
+            if source is not None:
+                if result is None:
+                    result = list(values)
+                result[j] = view_over(source.untyped_storage(), value)
+    if result is None:
+        return out
+    return result[0] if single else tuple(result)
