@@ -33,13 +33,13 @@ _LAZY = {
     "BindingError": "fxsplit.runtime.binding",
     "CaptureError": "fxsplit.runtime.emulator",
     "CaptureRefusedError": "fxsplit.runtime.captured",
-    "ConcurrentCallError": "fxsplit.runtime.graph_runtime",
+    "ConcurrentCallError": "fxsplit.runtime.session",
     "Config": "fxsplit.config",
     "Piece": "fxsplit.plan",
     "RankMismatchError": "fxsplit.distributed",
     "SplitPlan": "fxsplit.plan",
     "StaleOutputError": "fxsplit.runtime.output_lifetime",
-    "VerifyError": "fxsplit.runtime.captured",
+    "VerifyError": "fxsplit.runtime.verify",
     "explain": "fxsplit.explain",
 }
 
@@ -52,10 +52,11 @@ if TYPE_CHECKING:
     from fxsplit.plan import Piece, SplitPlan
     from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER, region
     from fxsplit.runtime.binding import BindingError
-    from fxsplit.runtime.captured import CaptureRefusedError, VerifyError
+    from fxsplit.runtime.captured import CaptureRefusedError
     from fxsplit.runtime.emulator import CaptureError
-    from fxsplit.runtime.graph_runtime import ConcurrentCallError
     from fxsplit.runtime.output_lifetime import StaleOutputError
+    from fxsplit.runtime.session import ConcurrentCallError
+    from fxsplit.runtime.verify import VerifyError
 
 
 def __getattr__(name: str):

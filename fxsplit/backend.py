@@ -6,9 +6,7 @@ import atexit
 import dataclasses
 import functools
 import gc
-import inspect
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -21,18 +19,14 @@ from fxsplit import cache, capture_off, counters, precompile, trace
 from fxsplit.config import Config
 from fxsplit.config_checks import ConfigChecks, WarnOnSecondCall
 from fxsplit.distributed import check_ranks
+from fxsplit.frame import Frame, read_frame
 from fxsplit.passes import Split, inductor, inductor_startup, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
 from fxsplit.runtime import replay_watch
-from fxsplit.runtime.binding import is_static_input
-from fxsplit.runtime.graph_runtime import (
-    CaptureSession,
-    Frame,
-    GraphRuntime,
-    size_input_index,
-    size_input_indices,
-)
+from fxsplit.runtime.graph_runtime import GraphRuntime
+from fxsplit.runtime.session import CaptureSession
+from fxsplit.size_input import size_inputs, traced_size
 from fxsplit.tools import dump
 
 log = logging.getLogger("fxsplit")
@@ -121,7 +115,7 @@ class Backend:
                 "options={...}"
             )
         config = Config.from_options(options, base=self.config) if options else self.config
-        frame = _frame(gm)
+        frame = read_frame(gm)
         if not precompile.active():
             return self.build(gm, example_inputs, config, frame)
         precompile.restore_graphargs(gm, example_inputs)
@@ -183,7 +177,7 @@ class Backend:
             cuda,
             cache.cache_dir(config.cache_dir),
             torch.is_grad_enabled(),
-            *_traced_size(result, example_inputs, frame, config),
+            *traced_size(result, example_inputs, frame, config),
             bundle=bundle,
         )
 
@@ -256,7 +250,7 @@ class Backend:
         collector frozen throughout) with a tqdm progress bar where tqdm is installed. A
         precompiled graph's compiled pieces load first (they would otherwise wait for their
         second call). Another thread's call meanwhile raises
-        :class:`~fxsplit.runtime.graph_runtime.ConcurrentCallError`.
+        :class:`~fxsplit.runtime.session.ConcurrentCallError`.
 
         The leading dimension of every tensor argument whose size equals the capture size is
         marked dynamic first (``torch._dynamo.maybe_mark_dynamic``), so all sizes share one graph:
@@ -382,7 +376,7 @@ def _split(
             runner=config.runner_policy.name,
             grad_at_entry=torch.is_grad_enabled(),
             analyse=mode != "off" or bool(config.dump_folder),
-            size_input=_size_input(gm, example_inputs, frame, config),
+            size_input=size_inputs(gm, example_inputs, frame, config),
             model_values=frame is not None and frame.model_values,
         )
     finally:
@@ -394,129 +388,6 @@ def _close_sessions(sessions: list[CaptureSession]) -> None:
     for session in sessions:
         session.close()
     sessions.clear()
-
-
-def _frame(gm: GraphModule) -> Frame | None:
-    """The frame Dynamo is compiling into ``gm`` (the backend runs inside Dynamo's translation
-    of it, or right after it under ``aot_compile``); None outside Dynamo or where its internals
-    differ."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        tx = InstructionTranslator.current_tx()
-        code = tx.f_code
-        receiver = tx.f_locals.get("self")
-    except Exception:  # not under Dynamo's tracer: aot_compile, a direct call, another torch
-        return _precompiled_frame()
-    count = code.co_argcount + code.co_kwonlyargcount
-    # Dynamo names the functions that resume a frame after a graph break this way.
-    resumed = code.co_name.startswith("torch_dynamo_resume_in_")
-    if not isinstance(receiver, torch.nn.Module):
-        receiver = _method_owner(code, tx.f_locals)
-    root = type(receiver) if isinstance(receiver, torch.nn.Module) else None
-    name = root.__name__ if root is not None else code.co_name
-    if resumed:  # torch_dynamo_resume_in_<function>_at_<line>
-        name = root.__name__ if root is not None else name.split("_in_", 1)[1].rsplit("_at_")[0]
-    return Frame(
-        tuple(code.co_varnames[:count]),
-        resumed,
-        root,
-        name,
-        _called_by_eager_code(),
-        _state_outputs(tx, gm),
-    )
-
-
-def _state_outputs(tx, gm: GraphModule) -> frozenset[int]:
-    """Positions of ``gm``'s outputs that Dynamo's side effects store into a module's
-    parameters or buffers after the graph runs (``self.t = <output>`` mutates the module's
-    ``_buffers``); empty where Dynamo's internals differ."""
-    try:
-        outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
-        position = {node: i for i, node in enumerate(outputs) if isinstance(node, torch.fx.Node)}
-        side_effects = tx.output.side_effects
-        found = set()
-        for var in side_effects._get_modified_vars():
-            if getattr(var.source, "member", None) not in ("_buffers", "_parameters"):
-                continue
-            for value in var.items.values():
-                node = getattr(getattr(value, "proxy", None), "node", None)
-                if node in position:
-                    found.add(position[node])
-    except Exception as error:  # another torch's internals: learnt at run time instead
-        log.debug("fxsplit: Dynamo's side effects not read (%s): %s", type(error).__name__, error)
-        return frozenset()
-    return frozenset(found)
-
-
-def _method_owner(code, f_locals) -> torch.nn.Module | None:
-    """The module whose method the frame runs where its receiver is not called ``self``: the
-    frame's first argument, or the first of its ``*args`` (transformers wraps ``forward`` in
-    decorators taking ``*args``), when that module's class defines a function with this code."""
-    if code.co_argcount:
-        first = f_locals.get(code.co_varnames[0])
-    elif code.co_flags & inspect.CO_VARARGS:
-        packed = f_locals.get(code.co_varnames[code.co_kwonlyargcount])
-        first = packed[0] if isinstance(packed, tuple) and packed else None
-    else:
-        return None
-    if not isinstance(first, torch.nn.Module):
-        return None
-    for cls in type(first).__mro__:
-        if any(getattr(f, "__code__", None) is code for f in vars(cls).values()):
-            return first
-    return None
-
-
-def _precompiled_frame() -> Frame | None:
-    """The frame ``torch._dynamo.aot_compile.aot_compile_fullgraph`` (on the stack) compiles:
-    its ``model`` argument, a function or a bound method."""
-    try:
-        from torch._dynamo.aot_compile import aot_compile_fullgraph
-    except ImportError:
-        return None
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code is not aot_compile_fullgraph.__code__:
-        frame = frame.f_back
-    fn = frame.f_locals.get("model") if frame is not None else None
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    if code is None:
-        return None
-    receiver = getattr(fn, "__self__", None)
-    root = type(receiver) if isinstance(receiver, torch.nn.Module) else None
-    count = code.co_argcount + code.co_kwonlyargcount
-    name = root.__name__ if root is not None else code.co_name
-    return Frame(tuple(code.co_varnames[:count]), False, root, name, False)
-
-
-def _size_input(gm: GraphModule, example_inputs, frame: Frame | None, config: Config):
-    """Indices of the graph inputs whose leading dim is the token count, the one the runtime
-    reads ``capture_sizes`` from first."""
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    if len(placeholders) != len(example_inputs):
-        return ()
-    params = [i for i, n in enumerate(placeholders) if is_static_input(n)]
-    names = frame.arg_names if frame is not None else None
-    return size_input_indices(
-        placeholders, example_inputs, params, names, config.size_input, warn=False
-    )
-
-
-def _traced_size(result: Split, example_inputs, frame: Frame | None, config: Config):
-    """(the token count as Dynamo traced it, a SymInt when dynamic; ``compile_sizes``) for
-    the Inductor pass."""
-    if not config.compile_sizes:
-        return None, ()
-    placeholders = list(result.materialised.stitched.graph.find_nodes(op="placeholder"))
-    params = [i for i, n in enumerate(placeholders) if is_static_input(n)]
-    names = frame.arg_names if frame is not None else None
-    index = size_input_index(
-        placeholders, example_inputs, params, names, config.size_input, warn=False
-    )
-    traced = placeholders[index].meta.get("example_value") if index is not None else None
-    if not isinstance(traced, torch.Tensor):
-        return None, ()
-    return traced.shape[0], config.compile_sizes
 
 
 def _precompiled(model) -> bool:
@@ -534,38 +405,6 @@ def _cuda_device(example_inputs) -> torch.device | None:
     """The CUDA/HIP device of the graph's first tensor on one, or None."""
     tensors = (x for x in example_inputs if isinstance(x, torch.Tensor))
     return next((x.device for x in tensors if x.device.type == "cuda"), None)
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_DYNAMO_DIR = os.path.join(_TORCH_DIR, "_dynamo") + os.sep
-_ENTRY = os.path.join(_DYNAMO_DIR, "eval_frame.py")
-
-
-def _called_by_eager_code() -> bool:
-    """Whether the frame Dynamo is compiling was called by code outside torch running eagerly.
-
-    The Python stack at compile time holds the callers of that frame: from the outside in, the
-    ``torch.compile`` wrapper (``torch/_dynamo/eval_frame.py``), the callers of the compiled
-    frame, then Dynamo's own frames. For the frame the caller entered through, the callers in
-    between are torch's (``nn.Module.__call__``); for a frame Dynamo compiles inside a frame it
-    gave up on (a graph break, a recompile limit), model code runs eagerly in between.
-    """
-    stack = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        stack.append(frame.f_code.co_filename)
-        frame = frame.f_back
-    stack.reverse()  # outermost first
-    entry = None
-    for i, filename in enumerate(stack):
-        if filename == _ENTRY:
-            entry = i
-        elif filename.startswith(_DYNAMO_DIR):
-            break
-    else:
-        return False
-    callers = stack[entry + 1 : i] if entry is not None else []
-    return any(not f.startswith(_TORCH_DIR) for f in callers)
 
 
 def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | None]:

@@ -68,7 +68,7 @@ class State:
     Attributes:
         graph: Dynamo's graph as the backend received it (``GraphPickler`` bytes).
         config: the options (:class:`fxsplit.config.Config`).
-        frame: :class:`fxsplit.runtime.graph_runtime.Frame`, or None.
+        frame: :class:`fxsplit.frame.Frame`, or None.
         pieces: Inductor's artifact (binary format) per piece
             (:func:`fxsplit.passes.piece_key.identity`) and per compile of a piece for one
             token count (:func:`~fxsplit.passes.piece_key.sized_identity`), as the

@@ -221,7 +221,7 @@ def eager_op_presets(compilation_config) -> tuple[Preset, ...]:
 
 def _argument_ranks(gm: torch.fx.GraphModule) -> dict[str, int]:
     """Each frame argument's tensor rank, from the graph's placeholders (``L['positions']``)."""
-    from fxsplit.runtime.graph_runtime import _argument
+    from fxsplit.size_input import argument_name as _argument
 
     ranks = {}
     for node in gm.graph.find_nodes(op="placeholder"):

@@ -54,3 +54,9 @@ def test_a_runtime_module_that_imported_a_pass_would_be_caught(tmp_path):
         "fxsplit.passes",
         "fxsplit.passes.op_facts",
     ]
+
+
+@pytest.mark.parametrize("name", ["captured.py", "graph_runtime.py"])
+def test_the_runtimes_central_modules_stay_under_500_lines(name):
+    lines = len((ROOT / "runtime" / name).read_text().splitlines())
+    assert lines < 500, f"fxsplit/runtime/{name} has {lines} lines"

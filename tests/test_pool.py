@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import fxsplit
-from fxsplit.runtime.captured import CapturedPiece, _Refused
+from fxsplit.runtime import captured as captured_module
+from fxsplit.runtime.binding import Refused as _Refused
 from fxsplit.runtime.graph_runtime import GraphRuntime
 from fxsplit.runtime.pool import MemoryPool
 
@@ -55,16 +56,16 @@ def _run(model_fn, calls, ordered: bool, late=None, **options):
     if not ordered:
         patch.setattr(MemoryPool, "in_order", lambda self, order: True)
     if late == "refused":
-        capture = CapturedPiece._capture
+        capture = captured_module.capture
         refused = set()
 
-        def refuse_once(self, key, inputs):
-            if self.name == "piece_0" and self.name not in refused:
-                refused.add(self.name)
+        def refuse_once(piece, key, inputs):
+            if piece.name == "piece_0" and piece.name not in refused:
+                refused.add(piece.name)
                 raise _Refused("refused once (test)")
-            return capture(self, key, inputs)
+            return capture(piece, key, inputs)
 
-        patch.setattr(CapturedPiece, "_capture", refuse_once)
+        patch.setattr(captured_module, "capture", refuse_once)
     elif late == "warmup":
         install = GraphRuntime._install
 

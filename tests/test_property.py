@@ -46,6 +46,7 @@ import dataclasses
 import gc
 import os
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +65,8 @@ import fxsplit
 from fxsplit import cache, counters
 from fxsplit.passes import inductor
 from fxsplit.runners import Runner
-from fxsplit.runtime.captured import _Refused
+from fxsplit.runtime import captured as captured_module
+from fxsplit.runtime.binding import Refused as _Refused
 from fxsplit.runtime.output_lifetime import can_swap
 from tests.replays import replays
 
@@ -826,20 +828,19 @@ class _Schedule(fxsplit.Backend):
                 if self._late:
                     piece.min_warmups += self._late[i % len(self._late)]
                 if self._refuse_once and i % 2 == 0:
-                    piece._capture = _refusing_once(piece._capture)
+                    _REFUSE_ONCE.add(piece)
         return compiled
 
 
-def _refusing_once(capture):
-    refused = []
+_REFUSE_ONCE: weakref.WeakSet = weakref.WeakSet()  # pieces whose first capture is refused
+_capture = captured_module.capture
 
-    def refuse_first(key, inputs):
-        if not refused:
-            refused.append(key)
-            raise _Refused("refused once (property test)")
-        return capture(key, inputs)
 
-    return refuse_first
+def _capture_refusing_once(piece, key, inputs):
+    if piece in _REFUSE_ONCE:
+        _REFUSE_ONCE.discard(piece)
+        raise _Refused("refused once (property test)")
+    return _capture(piece, key, inputs)
 
 
 # Why a piece may legitimately run uncaptured in these programs; any other reason (an error of
@@ -952,7 +953,8 @@ _compile_pieces = inductor.compile_pieces
 
 def _run_case(case: Case) -> fxsplit.Backend:
     loaded = mock.patch.object(inductor, "compile_pieces", _loaded_later)
-    with loaded if case.loaded else contextlib.nullcontext():
+    refusing = mock.patch.object(captured_module, "capture", _capture_refusing_once)
+    with loaded if case.loaded else contextlib.nullcontext(), refusing:
         return _run_calls(case)
 
 

@@ -29,8 +29,8 @@ import fxsplit
 from fxsplit import counters
 from fxsplit.models import deepseek_v4 as ds
 from fxsplit.runtime.binding import RUNNER, BindingError
-from fxsplit.runtime.captured import VerifyError
 from fxsplit.runtime.emulator import CaptureError
+from fxsplit.runtime.verify import VerifyError
 from tests.replays import assert_replayed
 from tests.warned import warned_at
 

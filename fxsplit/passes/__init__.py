@@ -56,9 +56,9 @@ def split(
         analyse: run the aliasing analysis (:mod:`fxsplit.facts.aliasing`) on every captured
             piece (what capture needs; costs one functionalized fake run of those pieces).
         size_input: index of the placeholder whose sizes are the token count (see
-            :func:`fxsplit.runtime.graph_runtime.size_input_index`), or several: the first one's
+            :func:`fxsplit.size_input.size_input_index`), or several: the first one's
             sizes, and the leading dim of the others, are the token count
-            (:func:`~fxsplit.runtime.graph_runtime.size_input_indices`); every other size that
+            (:func:`~fxsplit.size_input.size_input_indices`); every other size that
             changes per step runs eagerly (:mod:`fxsplit.passes.step_sizes`).
         model_values: the graph's tensor arguments are the model's own values (a frame Dynamo
             resumed after a graph break, or one called by eager model code): only the size

@@ -14,7 +14,7 @@ The facts: every node's ``example_value`` carries its sizes as SymInts, and the 
 ``L['kwargs']['cache'].layers[0].keys.size()[2]``). A symbol is a **step size** unless it is
 
 - a size of the size input (the token count, see
-  :func:`fxsplit.runtime.graph_runtime.size_input_index`), or the leading dim of another input
+  :func:`fxsplit.size_input.size_input_index`), or the leading dim of another input
   the ``size_input`` option names (an engine's ``positions``, which Dynamo gives a symbol of
   its own where the engine marks each argument dynamic): what engines pad to capture sizes;
 - or, in a graph traced with ``dynamic=True`` (Dynamo's ``assume_static_by_default`` is off

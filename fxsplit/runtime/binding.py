@@ -46,6 +46,10 @@ PARAM, STATIC, RUNNER, INTERNAL, HOST = "param", "static", "runner", "internal",
 _STACK_SOURCE = re.compile(r"^L\['___stack\d+'\]$")
 
 
+class Refused(Exception):
+    """This call's inputs cannot be captured with their aliasing kept; run it uncaptured."""
+
+
 class BindingError(RuntimeError):
     """A runner input of a captured piece moved under ``input_binding="strict"``."""
 

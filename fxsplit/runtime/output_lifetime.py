@@ -116,6 +116,7 @@ class OutputLedger:
         self._high = -1  # highest capture order among live hand-outs (a bound)
         self._stale: dict[int, tuple[StorageWeakRef, str, int]] = {}
         self._state_slots: set[tuple[str, int]] = set()  # (graph, output position)
+        self._returned: dict[str, int] = {}  # graph -> the step its last call returned in
         self.invalidated = 0  # hand-outs invalidated while referenced, in all
         self.moved = 0  # hand-outs moved to memory of their own (graph freed, or model state)
 
@@ -253,14 +254,23 @@ class OutputLedger:
                         f"{stale_message(hit[1])}; it was handed to {graph_id} as an input"
                     )
 
-    def held_stale(self, before_step: int) -> list[str]:
-        """Graphs whose invalidated outputs, invalidated before ``before_step``, are still
-        referenced (forgets the dead ones)."""
+    def returned(self, graph_id: str, step: int) -> None:
+        """A call of ``graph_id`` in ``step`` returned: the caller has rebound what it keeps of
+        the graph's earlier outputs (see :meth:`held_stale`)."""
+        self._returned[graph_id] = step
+
+    def held_stale(self) -> list[str]:
+        """Graphs whose invalidated outputs are still referenced after a later call of the
+        graph returned (forgets the dead ones). Held before that is no sign of keeping: in
+        ``logits = model(x)`` the old logits are bound while the call that overwrites them
+        runs, and in ``h = a(x); o = b(h)`` the old ``o``, which ``a``'s replay overwrites, is
+        bound until ``b`` returns."""
         held = []
+        returned = self._returned
         for cdata, (ref, graph_id, step) in list(self._stale.items()):
             if ref.expired():
                 del self._stale[cdata]
-            elif step < before_step:
+            elif returned.get(graph_id, -1) >= step:
                 held.append(graph_id)
         return held
 

@@ -11,7 +11,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["clone_sharing", "may_move", "move_out", "storage_ptr", "view_over"]
+__all__ = ["clone_sharing", "is_strided", "may_move", "move_out", "storage_ptr", "view_over"]
+
+
+def is_strided(value: object) -> bool:
+    """Whether ``value`` is a strided tensor (one with a storage and strides)."""
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided
 
 
 def storage_ptr(tensor: torch.Tensor) -> int | None:

@@ -1,0 +1,259 @@
+"""One capture of a captured piece at one key: bind its inputs to static buffers, run it under
+the pool's graph capture (legality checked first for a compiled piece, whose kernels the
+emulator cannot see), roll back what a failed capture wrote, and record the :class:`Entry`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from fxsplit.facts.aliasing import PieceAliasing
+from fxsplit.runtime import binding
+from fxsplit.runtime.binding import Bind, InputSpec, Refused
+from fxsplit.runtime.entry import Entry, flat
+from fxsplit.runtime.static_buffers import AliasGuard, OwnBuffer
+from fxsplit.runtime.storage import storage_ptr
+
+__all__ = ["analyse", "capture", "never_captured"]
+
+_OWN, _ADDRESS, _PINNED = Bind.OWN, Bind.ADDRESS, Bind.PINNED
+
+
+def capture(piece, key, inputs) -> Entry:
+    """Capture ``key``; the returned entry's outputs hold this call's result.
+
+    Raises:
+        Refused: this call's inputs share storage in a way the static buffers cannot keep,
+            or a compiled piece's legality could not be checked.
+        CaptureError / RuntimeError: an op illegal under capture, or outputs that require
+            grad. Nothing the piece writes is left changed by a failed capture.
+    """
+    runtime = piece.runtime
+    if piece.aliasing.deferred:
+        analyse(piece, inputs)
+    session = runtime.session
+    pool = runtime.pool
+    binds, statics, buffers = [], [], []
+    for spec, value in zip(piece.specs, inputs, strict=True):
+        buffer = None
+        if not isinstance(value, torch.Tensor):
+            bind = Bind.HOST
+        elif spec.kind == binding.INTERNAL and id(value) in runtime.static_outputs:
+            bind = _OWN  # an earlier captured piece's output: fxsplit's memory already
+            buffer = OwnBuffer(value, None, None, pooled=True)
+        elif spec.kind == binding.RUNNER and runtime.is_frozen_memory(value):
+            bind = _PINNED  # a view of a parameter or buffer: its memory never moves
+        else:
+            bind = binding.bind(spec, runtime.binding, session.produced(value))
+            if bind is _OWN:
+                buffer = runtime.buffers.get(value, session, spec.rebound)
+        binds.append(bind)
+        buffers.append(buffer)
+        statics.append(buffer.static if buffer is not None else value)
+    written = [i for i, spec in enumerate(piece.specs) if spec.written]
+    guard = AliasGuard(statics, inputs, binds, written) if written else None
+    if guard is not None:
+        guard.check(piece.specs, inputs)
+    for i, buffer in enumerate(buffers):
+        if buffer is not None and buffer.static is not inputs[i] and buffer.mark is None:
+            buffer.remember(session, inputs[i])
+    graph = pool.new_graph(piece.generators)
+    # The emulator runs the piece while recording; if the capture then fails, the fallback
+    # run must find what the piece writes as it was (a CUDA capture executes nothing).
+    emulated = runtime.mode == "emulate"
+    saved = (
+        [(statics[i], statics[i].clone()) for i in written if isinstance(statics[i], torch.Tensor)]
+        if emulated
+        else None
+    )
+    # an opaque op (no tag says it draws) may draw random numbers before the capture fails
+    rng = torch.get_rng_state() if emulated else None
+    session.collect_once()
+    try:
+        run = piece.run_uncaptured
+        if emulated and piece.check_uncompiled is not None:
+            _check_legality(graph, piece.check_uncompiled, statics)
+            # Inductor's CPU kernels bypass the dispatcher: record the piece as one unit
+            run = functools.partial(_opaque, piece.run_uncaptured)
+        outputs = graph.capture(run, *statics)
+        _refuse_grad(outputs)
+    except BaseException:
+        for static, copy in saved or ():
+            static.copy_(copy)
+        if rng is not None:  # the fallback run draws what eager draws
+            torch.set_rng_state(rng)
+        graph.reset()
+        raise
+    order = pool.next_order()
+    bases = _output_bases(piece, outputs, statics)
+    views = _views(piece, outputs, statics, binds, bases)
+    owned = []
+    inputs_memory = {storage_ptr(v) for v in statics if isinstance(v, torch.Tensor)}
+    for out, base in zip(flat(outputs), bases, strict=True):
+        if (
+            isinstance(out, torch.Tensor)
+            and base is None
+            and out.untyped_storage().nbytes()
+            # an empty view of an input has no base but is no memory of fxsplit's
+            and storage_ptr(out) not in inputs_memory
+        ):
+            # fxsplit's own memory: later pieces read it where it is (a view of a caller's
+            # tensor or parameter is never bound that way: a copy into it would write there)
+            runtime.static_outputs[id(out)] = out
+            ptr = storage_ptr(out)
+            pool.owners[ptr] = order
+            owned.append((id(out), ptr))
+    checks = tuple(
+        (i, statics[i], statics[i].data_ptr(), bind, buffers[i])
+        for i, bind in enumerate(binds)
+        if bind in (_OWN, _ADDRESS, _PINNED)
+    )
+    capture_ptrs = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else None for v in inputs)
+    entry = Entry(key, graph, statics, outputs, checks, views, piece.stats.key(key), capture_ptrs)
+    entry.order = order
+    entry.owned = tuple(owned)
+    entry.written = tuple(
+        (i, statics[i], binds[i], buffers[i])
+        for i in written
+        if isinstance(statics[i], torch.Tensor)
+    )
+    entry.alias_guard = guard if guard is not None and guard.needed else None
+    first: dict[int, int] = {}
+    shared = []
+    for i, buffer in enumerate(buffers):
+        if buffer is not None and binds[i] is _OWN:
+            j = first.setdefault(id(buffer), i)
+            if j != i:
+                shared.append((j, i))
+    entry.shared = tuple(shared)
+    return entry
+
+
+def analyse(piece, inputs) -> None:
+    """The aliasing analysis deferred to the first capture (data-dependent input sizes), on
+    this call's inputs; a piece it cannot run on is never captured.
+
+    Raises:
+        Refused: the analysis failed (the piece runs uncaptured from now on).
+    """
+    from fxsplit.facts import aliasing
+
+    python = piece.check_uncompiled or piece.run_uncaptured
+    facts = aliasing.analyse(python, list(inputs), piece.num_outputs)
+    piece.aliasing = facts
+    piece.specs = [
+        dataclasses.replace(spec, written=i in facts.written) for i, spec in enumerate(piece.specs)
+    ]
+    piece.failed = never_captured(piece.specs, facts, ())
+    if piece.failed is not None:
+        raise Refused(piece.failed)
+
+
+def _output_bases(piece, outputs, statics) -> list[int | None]:
+    """Per output, the input whose static buffer it shares memory with at this capture key,
+    else None: the analysis's answer where the memory confirms it, else the memory's (a view
+    may be a copy at another size: ``reshape``, ``contiguous``)."""
+    facts = piece.aliasing.output_bases
+    owners: dict[int, int] = {}
+    for i, static in enumerate(statics):
+        if isinstance(static, torch.Tensor) and static.numel():
+            owners.setdefault(storage_ptr(static), i)
+    bases: list[int | None] = []
+    for j, out in enumerate(flat(outputs)):
+        if not isinstance(out, torch.Tensor) or not out.numel():
+            bases.append(None)
+            continue
+        ptr = storage_ptr(out)
+        fact = facts[j] if j < len(facts) else None
+        if fact is not None and storage_ptr(statics[fact]) == ptr:
+            bases.append(fact)
+        else:
+            bases.append(owners.get(ptr))
+    return bases
+
+
+def _views(piece, outputs, statics, binds, bases) -> tuple:
+    """``(j, i, size, stride, offset, dtype, conj, neg)`` per output that is a view of an
+    OWN input ``i``: eagerly it aliases the caller's tensor, so each replay rebuilds it over
+    that tensor (:func:`rebuild`). ``offset`` counts elements of the output's dtype from
+    the input's start; ``dtype`` is None where the view keeps the input's dtype."""
+    views = []
+    for j, (out, i) in enumerate(zip(flat(outputs), bases, strict=True)):
+        if i is None or binds[i] != _OWN or not isinstance(out, torch.Tensor):
+            continue
+        static = statics[i]
+        start = out.storage_offset() * out.element_size()
+        offset = (start - static.storage_offset() * static.element_size()) // out.element_size()
+        dtype = None if out.dtype == static.dtype else out.dtype
+        if dtype is not None and (static.is_conj() or static.is_neg()):
+            raise RuntimeError(
+                f"{piece.name}: an output views input {piece.specs[i].name!r} (conjugate or "
+                "negative bit set) in another dtype; it cannot be rebuilt over the caller's "
+                "tensor"
+            )
+        shape, strides = tuple(out.shape), tuple(out.stride())
+        views.append((j, i, shape, strides, offset, dtype, out.is_conj(), out.is_neg()))
+    return tuple(views)
+
+
+def _opaque(fn, *args):
+    from fxsplit.runtime.emulator import call_opaque
+
+    return call_opaque(fn, args)
+
+
+def _check_legality(graph, fn, statics) -> None:
+    """Run ``fn`` (a compiled piece's generated Python) on fake copies of ``statics`` under the
+    emulator's capture checks: what CUDA capture would reject raises, and nothing runs for real
+    (no random number drawn, no collective issued, no input written).
+
+    Raises:
+        CaptureError: an op illegal under capture.
+        Refused: the check itself could not run on fake tensors.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxsplit.runtime.emulator import CaptureError
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in statics]
+            graph.check(fn, *fakes)
+    except CaptureError:
+        raise
+    except Exception as error:
+        raise Refused(
+            f"its capture legality could not be checked on fake tensors ({type(error).__name__}:"
+            f" {error})"
+        ) from error
+
+
+def never_captured(specs: list[InputSpec], aliasing: PieceAliasing, devices) -> str | None:
+    """Why a piece can never be captured, from its facts; None when it can."""
+    accelerators = [d for d in devices if d != "cpu"]
+    if len(accelerators) > 1:
+        return (
+            f"its tensors span devices {', '.join(accelerators)}; a graph captures the work of "
+            "one device, so the others' work would be missing from every replay"
+        )
+    if aliasing.error is not None:
+        return aliasing.error
+    if aliasing.metadata_written:
+        names = ", ".join(repr(specs[i].name) for i in sorted(aliasing.metadata_written))
+        return (
+            f"it changes the size or stride of input(s) {names} in place; a replay would not "
+            "(CUDA graphs replay kernels, not metadata)"
+        )
+    return None
+
+
+def _refuse_grad(outputs) -> None:
+    for out in flat(outputs):
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            raise RuntimeError(
+                "an output requires grad (grad is enabled inside the piece); a replay would "
+                "return it with the capture step's grad_fn"
+            )

@@ -1,0 +1,100 @@
+"""One capture key of a captured piece: its graph, static buffers and binding table (an
+:class:`Entry`), the capture key of a call, and the views of inputs an entry rebuilds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxsplit.runtime import binding
+from fxsplit.runtime.stats import StaticAddress
+
+if TYPE_CHECKING:
+    from fxsplit.runtime.static_buffers import AliasGuard
+
+__all__ = ["Entry", "flat", "key_function", "rebuild"]
+
+
+class Entry:
+    """One capture key of a piece: its graph, static buffers, binding table and counters.
+
+    ``checks`` holds ``(i, static, data_ptr, bind, buffer)`` per input bound OWN, ADDRESS or
+    PINNED; ``written`` holds ``(i, static, bind, buffer)`` per input the piece writes;
+    ``views`` holds ``(j, i, size, stride, offset, dtype, conj, neg)`` per output that is a view
+    of OWN input ``i`` (rebuilt over the caller's tensor after each replay); ``shared`` the pairs
+    of OWN inputs bound to one shared buffer (the same caller view at capture); ``alias_guard``
+    checks shared storage per call (pieces that write an input); ``order`` is the graph's
+    capture order in the pool; ``owned`` the ids and data pointers of the outputs in fxsplit's
+    memory.
+    """
+
+    __slots__ = (
+        "alias_guard",
+        "capture_ptrs",
+        "checks",
+        "counts",
+        "graph",
+        "key",
+        "order",
+        "outputs",
+        "owned",
+        "shared",
+        "statics",
+        "views",
+        "written",
+    )
+
+    def __init__(self, key, graph, statics, outputs, checks, views, counts, capture_ptrs):
+        self.key = key
+        self.graph = graph
+        self.statics = statics
+        self.outputs = outputs
+        self.counts = counts
+        self.capture_ptrs = capture_ptrs
+        self.checks = checks
+        self.views = views
+        self.written: tuple = ()
+        self.alias_guard: AliasGuard | None = None
+        self.order = -1
+        self.owned: tuple = ()
+        self.shared: tuple = ()  # (i, j): OWN inputs bound to one buffer (one tensor at capture)
+
+
+def rebuild(value, size, stride, offset, dtype, conj, neg) -> torch.Tensor:
+    """The view an output had of its input at capture, over the caller's tensor ``value``
+    instead of fxsplit's copy: a real view (shared version counter), in the output's dtype,
+    with its conjugate and negative bits."""
+    base = value if dtype is None else value.view(dtype)
+    if offset == 0 and size == base.shape and stride == base.stride():
+        view = base
+    else:
+        view = base.as_strided(size, stride, base.storage_offset() + offset)
+    if view.is_conj() != conj:
+        view = view.conj()
+    if view.is_neg() != neg:
+        view = torch._neg_view(view)
+    return view
+
+
+def key_function(reads):
+    """``inputs -> capture key``: every host value the piece reads, told apart exactly (by type:
+    ``True`` / ``1`` / ``1.0``; by text: ``0.0`` / ``-0.0``, while NaN matches NaN), and each
+    distinct dynamic size of its tensor inputs (see :func:`fxsplit.runtime.binding.key_reads`).
+    Generated as one tuple expression because this runs on every call."""
+    parts = [
+        f"(a[{i}].__class__, a[{i}] if a[{i}] == a[{i}] and a[{i}] != 0 else repr(a[{i}]))"
+        if d is None
+        else f"_Address(a[{i}].data_ptr())"
+        if d == binding.ADDRESS_READ
+        else f"a[{i}].shape"
+        if d < 0
+        else f"a[{i}].shape[{d}]"
+        for i, d in reads
+    ]
+    return eval(f"lambda a: ({''.join(p + ', ' for p in parts)})", {"_Address": StaticAddress})
+
+
+def flat(value):
+    return value if isinstance(value, tuple) else (value,)

@@ -1,0 +1,211 @@
+"""fxsplit's own static buffers: the copies of caller tensors a captured graph reads (same
+strides and address alignment, shared by every key and piece that captured one view), and the
+guard that refuses a call whose shared storage separate buffers could not keep.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from fxsplit.runtime.binding import Bind, Refused
+from fxsplit.runtime.storage import storage_ptr
+
+__all__ = ["AliasGuard", "OwnBuffer", "OwnBuffers", "buffer_key", "new_own_buffer", "own_buffer"]
+
+_OWN = Bind.OWN
+
+
+class OwnBuffer:
+    """fxsplit's static buffer for one view of a caller's tensor, shared by every capture key
+    and piece of a graph that captured that view (a KV cache handed in as a plain argument is
+    held once), or an earlier captured piece's output read where it lies (``pooled``: memory
+    of the pool, whose handed-out outputs a copy into it must invalidate first); ``mark``
+    remembers the value last copied in (see
+    :meth:`~fxsplit.runtime.session.CaptureSession.sync_mark`), never for a ``rebound``
+    parameter (see :class:`~fxsplit.runtime.binding.InputSpec`): that one is copied every call."""
+
+    __slots__ = ("mark", "pooled", "rebound", "region", "source", "static")
+
+    def __init__(self, static, region, source, pooled: bool = False):
+        self.static = static
+        self.region = region  # the flat memory under an overlapping (expanded) buffer
+        self.source = source  # weak reference to the caller's storage it mirrors
+        self.pooled = pooled
+        self.rebound = False
+        self.mark = None
+
+    def remember(self, session, value: torch.Tensor) -> None:
+        """``value`` was just copied in: remember it, unless it is a rebound parameter."""
+        self.mark = None if self.rebound else session.sync_mark(value)
+
+    def holds(self, value: torch.Tensor) -> bool:
+        """Whether the buffer holds ``value``'s values: the same tensor, at the same address,
+        unchanged (its version counter) since it was last copied in."""
+        mark = self.mark
+        return (
+            mark is not None
+            and mark[0]() is value
+            and mark[1] == value._version
+            and mark[2] == value.data_ptr()
+        )
+
+
+class OwnBuffers:
+    """A graph's :class:`OwnBuffer` objects, one per view of a caller's tensor."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, OwnBuffer] = {}
+
+    def get(self, value: torch.Tensor, session, rebound: bool = False) -> OwnBuffer:
+        """fxsplit's static buffer for the caller's ``value`` holding its values, shared by
+        every piece and capture key of the graph that captured the same view of the same
+        tensor; ``rebound``: ``value`` is a rebound parameter (copied every call)."""
+        key = buffer_key(value)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.source.expired():
+            buffer = self._buffers[key] = new_own_buffer(value)
+            buffer.rebound = rebound
+            return buffer
+        buffer.rebound |= rebound
+        if not buffer.holds(value):
+            target = buffer.static if buffer.region is None else buffer.region
+            source = (
+                value
+                if buffer.region is None
+                else value.as_strided(buffer.region.shape, (1,), value.storage_offset())
+            )
+            with torch.no_grad():
+                target.copy_(source)
+            buffer.remember(session, value)
+        return buffer
+
+    def __iter__(self):
+        return iter(self._buffers.values())
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def own_buffer(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fxsplit's static buffer for ``value``: same size, strides and address alignment (so
+    vectorised reductions split the data the same way and replay bit-exactly, and views map
+    back); requires grad where ``value`` does. For a ``value`` whose elements share memory
+    (expanded), also the flat region under it, which copies go through (an elementwise copy
+    into overlapping memory is an error)."""
+    # Same start offset modulo 512 elements as the caller's tensor: allocations are aligned to
+    # at most 512 bytes, so the data pointer lands on the same alignment.
+    if value.is_conj() or value.is_neg():
+        # Keep the bit: copy the memory as it is, then view it with the same bit.
+        plain = value.conj() if value.is_conj() else torch._neg_view(value)
+        buffer, region = own_buffer(plain)
+        return (buffer.conj() if value.is_conj() else torch._neg_view(buffer)), region
+    pad = value.storage_offset() % 512
+    extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride(), strict=True))
+    extent = extent if value.numel() else 0
+    flat = torch.empty(pad + extent, dtype=value.dtype, device=value.device)
+    region = None
+    with torch.no_grad():
+        buffer = flat.as_strided(value.size(), value.stride(), pad)
+        if _overlaps(value):
+            region = flat[pad:]
+            region.copy_(value.as_strided((extent,), (1,), value.storage_offset()))
+        else:
+            buffer.copy_(value)
+    # A piece that enables grad must see what eager sees, so its capture can refuse.
+    return buffer.requires_grad_(value.requires_grad), region
+
+
+def buffer_key(value: torch.Tensor) -> tuple:
+    """What makes two caller tensors the same view for :class:`OwnBuffer` sharing: the storage
+    (by identity), offset, size, stride, dtype and bits."""
+    return (
+        value.untyped_storage()._cdata,
+        value.storage_offset(),
+        tuple(value.shape),
+        value.stride(),
+        value.dtype,
+        value.is_conj(),
+        value.is_neg(),
+        value.requires_grad,
+    )
+
+
+def new_own_buffer(value: torch.Tensor) -> OwnBuffer:
+    """A :class:`OwnBuffer` mirroring ``value``."""
+    static, region = own_buffer(value)
+    return OwnBuffer(static, region, StorageWeakRef(value.untyped_storage()))
+
+
+def _overlaps(value: torch.Tensor) -> bool:
+    """Whether two elements of ``value`` share memory (a zero or otherwise overlapping stride)."""
+    reach = 0  # furthest element offset reachable with the dims seen so far
+    for stride, size in sorted(
+        (s, n) for n, s in zip(value.shape, value.stride(), strict=True) if n > 1
+    ):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+class AliasGuard:
+    """Refuses a call whose inputs share storage where the static buffers could not keep it: an
+    input bound to fxsplit's own copy (OWN) sharing storage with an input the piece writes, while
+    their static buffers do not share memory (the copy would not see the write, or the write
+    would not reach the caller's other view).
+
+    Inputs bound by address keep their capture-time storage on every replay (a move raises,
+    refuses or recaptures first), so the storages of the written ones are fixed here and each
+    call looks up only the OWN inputs' storages; only a piece that writes an OWN input compares
+    every pair. Inputs whose static buffers share memory as the caller's tensors do (one caller
+    tensor handed twice, bound to one shared buffer) are no hazard.
+    """
+
+    __slots__ = ("fixed", "needed", "own", "paired", "wide", "written")
+
+    def __init__(self, statics, inputs, binds, written: list[int]):
+        self.written = frozenset(written)
+        self.own = tuple(i for i, b in enumerate(binds) if b == _OWN)
+        self.wide = any(binds[i] == _OWN for i in written)
+        self.fixed = {
+            storage_ptr(inputs[i]): i for i in written if binds[i] != _OWN and inputs[i].numel()
+        }
+        # pairs of OWN or written inputs whose static buffers share memory: sharing is kept there
+        groups: dict[int, list[int]] = {}
+        for i in {*self.own, *written}:
+            static = statics[i]
+            if isinstance(static, torch.Tensor) and static.numel():
+                groups.setdefault(storage_ptr(static), []).append(i)
+        self.paired = frozenset(
+            (i, j) for group in groups.values() for i in group for j in group if i != j
+        )
+        self.needed = bool(self.own) and (self.wide or bool(self.fixed))
+
+    def check(self, specs, inputs) -> None:
+        """Raises:
+        Refused: naming the two inputs that share storage."""
+        if self.wide:
+            written = self.written
+            seen: dict[int, int] = {}
+            for i, value in enumerate(inputs):
+                if isinstance(value, torch.Tensor) and value.numel():
+                    j = seen.setdefault(storage_ptr(value), i)
+                    # two inputs only read may share storage: their copies keep the values
+                    if j != i and (i in written or j in written) and (j, i) not in self.paired:
+                        raise Refused(_shared(specs, j, i))
+            return
+        fixed = self.fixed
+        for i in self.own:
+            value = inputs[i]
+            if value.numel():  # empty tensors all report storage address 0
+                j = fixed.get(storage_ptr(value))
+                if j is not None and (j, i) not in self.paired:
+                    raise Refused(_shared(specs, j, i))
+
+
+def _shared(specs, j: int, i: int) -> str:
+    return (
+        f"inputs {specs[j].name!r} and {specs[i].name!r} share storage and the piece writes one "
+        "of them; separate static buffers would not keep that aliasing"
+    )
