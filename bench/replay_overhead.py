@@ -90,7 +90,7 @@ def main() -> None:
             params = sum(s.kind == "param" for s in piece.specs)
             rows.append((piece.name, len(entry.statics), params, len(entry.checks), bound, real))
 
-        check, inputs = runtime._check_params, graph_args["inputs"]
+        check, inputs = runtime._follow_params, graph_args["inputs"]
         start = time.perf_counter()
         for _ in range(args.calls):
             check(inputs)
@@ -140,7 +140,7 @@ def main() -> None:
     print(f"{'piece':10} {'inputs':>6} {'params':>6} {'checked':>7} {'bound':>8} {'step':>8}")
     for name, n_inputs, n_params, n_checked, bound, real in rows:
         print(f"{name:10} {n_inputs:6d} {n_params:6d} {n_checked:7d} {bound:8.2f} {real:8.2f}")
-    n_params = len(runtime._params)
+    n_params = len(runtime.statics.params)
     print(f"parameter address check, once per step: {per_step:.2f} us, {n_params} params")
     print(f"kept-loan check, once per step: {settle_us:.2f} us, {lent} outputs lent to eager code")
     for name, n_lent, module_us, plain, lent_us in lending:

@@ -205,7 +205,7 @@ def test_weights_written_through_data_after_two_reloads_follow_eager(warmup_runs
             assert torch.equal(model(x), eager(x)), step
             assert torch.equal(net.t, eager.t), step
     runtime = backend.runtimes[0]
-    assert not any("weight" in name for name in runtime._volatile), runtime._volatile
+    assert not any("weight" in name for name in runtime.statics.volatile), runtime.statics.volatile
     assert fxsplit.counters.snapshot()["replays"] > 0
 
 
@@ -396,7 +396,7 @@ def test_a_cache_made_by_an_uncaptured_prefill_is_read_by_address_again_once_it_
                 assert torch.equal(net.cache, eager.cache), (generation, step)
     decode = backend.runtimes[-1]
     copies = sum(p.stats.copies_by_input["l_self_buffers_cache_"] for p in decode.pieces)
-    assert not decode._volatile and copies <= 2 * 3, (decode._volatile, copies)
+    assert not decode.statics.volatile and copies <= 2 * 3, (decode.statics.volatile, copies)
     assert fxsplit.counters.snapshot()["replays"] > 0
 
 

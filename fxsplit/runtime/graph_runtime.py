@@ -9,7 +9,6 @@ this graph and recaptures), then run the stitched module, whose captured pieces 
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,7 +24,7 @@ from fxsplit.runtime.lending import Borrower
 from fxsplit.runtime.pool import MemoryPool
 from fxsplit.runtime.session import CaptureSession
 from fxsplit.runtime.static_buffers import OwnBuffers
-from fxsplit.runtime.storage import storage_ptr
+from fxsplit.runtime.static_inputs import FIRST, REBOUND, SAME, SETTLED, StaticInputs
 from fxsplit.size_input import size_input_index
 from fxsplit.warn import warn_at_caller
 
@@ -38,9 +37,6 @@ log = logging.getLogger("fxsplit")
 _GRAD = "grad is enabled and an input requires grad"
 # torch's message for a resize_ of a storage over memory it does not own (a pool's)
 _NOT_RESIZABLE = "Trying to resize storage that is not resizable"
-# Calls a rebound parameter must hold still before it is read by address again: a model that
-# rebinds its state hands a new tensor every call, so it never gets there.
-_SETTLED = 3
 
 
 class GraphRuntime:
@@ -105,34 +101,19 @@ class GraphRuntime:
         self._logged_sizes: set[int] = set()
         self._steps = 0
         self._recaptures: list[int] = []  # steps at which a parameter move dropped the graphs
-        self._moves: dict[int, int] = {}  # placeholder index -> the last step it moved on
-        # rebound placeholder index -> (weak reference, address, calls it held still)
-        self._settling: dict[int, tuple] = {}
         self._entered = frame is None or frame.entered
 
         stitched = split.materialised.stitched
         self._placeholders = list(stitched.graph.find_nodes(op="placeholder"))
-        self._volatile: set[str] = set()
         # a marked cache handed in as an argument is read by address through the capture key
         self._static_arguments = frozenset(
             n.name for n in self._placeholders if binding.is_static_argument(n)
         )
-        self._params = [
-            i
-            for i, n in enumerate(self._placeholders)
-            if binding.is_static_input(n) and n.name not in self._static_arguments
-        ]
-        self._runner_inputs = [
-            i
-            for i, value in enumerate(example_inputs)
-            if isinstance(value, torch.Tensor) and i not in self._params
-        ]
-        self._param_ptrs: tuple | None = None
-        self._frozen: frozenset[int] = frozenset()  # storages of parameters and buffers
+        self.statics = StaticInputs(self._placeholders, example_inputs, self._static_arguments)
         self._size_index = size_input_index(
             self._placeholders,
             example_inputs,
-            self._params,
+            self.statics.params,
             frame.arg_names if frame is not None else None,
             config.size_input,
         )
@@ -178,7 +159,7 @@ class GraphRuntime:
         nodes = {n.name: n for n in split.graph_module.graph.nodes}
         producer = {}
         pieces = []
-        volatile = frozenset(self._volatile)
+        volatile = frozenset(self.statics.volatile)
         # marked caches handed in as arguments, and views of them a captured piece hands on
         statics = set(self._static_arguments)
         for part, module, plan_piece, facts in zip(
@@ -249,19 +230,20 @@ class GraphRuntime:
         handed = None
         self.capture_step = self._may_capture(args)
         if self.capture_step:
-            if self._volatile and pool is not None:
+            statics = self.statics
+            if statics.volatile and pool is not None:
                 self._keep_state(args)
             # Earlier outputs handed back in are read before anything (a parameter move's
             # recapture included) may invalidate their memory.
             if pool is not None:
-                handed = take_over(pool, session, args, self._runner_inputs)
+                handed = take_over(pool, session, args, statics.runner_inputs)
                 args = with_copies(args, handed)
-            if self._params:
-                rebound = self._check_params(args)
+            if statics.params:
+                rebound = self._follow_params(args)
                 if rebound:  # buffers the model rebinds to its outputs, copied before the reset
                     args = with_copies(args, rebound)
                     handed = [*(handed or ()), *rebound]
-            if self._volatile:
+            if statics.volatile:
                 self._check_settled(args)
         session.enter()
         out = ()
@@ -289,7 +271,7 @@ class GraphRuntime:
 
     def is_frozen_memory(self, value: torch.Tensor) -> bool:
         """Whether ``value`` lives in a parameter's or buffer's storage of this graph."""
-        return bool(self._frozen) and storage_ptr(value) in self._frozen
+        return self.statics.is_frozen_memory(value)
 
     def _may_capture(self, args) -> bool:
         if torch.is_grad_enabled() and any(
@@ -322,56 +304,36 @@ class GraphRuntime:
             )
         return False
 
-    def _check_params(self, args) -> list | None:
-        """Follow the parameters and buffers: recapture where they moved, or make those the
-        model rebinds runner inputs; returns the private copies taken of rebound ones that are
-        earlier outputs (:func:`~fxsplit.runtime.hand_out.take_over`), or None."""
-        ptrs = tuple(args[i].data_ptr() for i in self._params)
-        if self._param_ptrs is None:
-            self._param_ptrs = ptrs
-            self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
-            # A captured graph's output (another graph's, rebound by the model as its state):
-            # the pool's memory, which that graph's next output reuses and the ledger may move
-            # a held tensor out of, so its address says nothing of the tensor it holds. (An
-            # output of an uncaptured run, a KV cache made in a prefill, is the caller's.)
-            pooled = [i for i in self._params if self.session.in_pool(args[i])]
-            return self._rebind(pooled, args) if pooled else None
-        if ptrs == self._param_ptrs:
-            return
-        moved = [i for i, a, b in zip(self._params, ptrs, self._param_ptrs, strict=True) if a != b]
-        self._param_ptrs = ptrs
-        self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
-        # The model rebinding its buffers moves them on consecutive steps, or to memory fxsplit
-        # produced (an output); reloading weights (load_state_dict(assign=True)) moves them once
-        # in a while, to the caller's memory.
-        produced = any(self.session.produced(args[i]) for i in moved)
-        rebound = []
-        for i in moved:
-            if produced or self._moves.get(i) == self._steps - 1:
-                rebound.append(i)
-            self._moves[i] = self._steps
-        if rebound:
-            return self._rebind(rebound, args)
+    def _follow_params(self, args) -> list | None:
+        """Follow the parameters and buffers (:meth:`StaticInputs.follow`): recapture where
+        weights moved, or make those the model rebinds runner inputs; returns the private
+        copies taken of rebound ones that are earlier outputs
+        (:func:`~fxsplit.runtime.hand_out.take_over`), or None."""
+        what, indices = self.statics.follow(args, self._steps, self.session)
+        if what in (FIRST, REBOUND):
+            return self._rebind(indices, args) if indices else None
+        if what == SAME:
+            return None
         dropped = self.reset()
         log.info(
             "fxsplit %s: parameters or buffers moved since capture (%s); dropped %d captured "
             "graphs, recapturing",
             self.graph_id,
-            ", ".join(self._placeholders[i].name for i in moved),
+            ", ".join(self.statics.names(indices)),
             dropped,
         )
         if dropped:
             counters.totals["recaptures"] += 1
             self._note_recapture("parameters or buffers moved (load_state_dict(assign=True)?)")
+        return None
 
     def _rebind(self, indices: list[int], args) -> list | None:
-        """Static inputs that moved on two consecutive steps, or are outputs of a compiled graph,
-        are rebound by the model itself (``self.t = self.t + 1``): from now on they are
-        fxsplit's to copy, like runner inputs, until they hold still (:meth:`_check_settled`).
-        Those that are earlier outputs are copied first (returned, see
-        :func:`~fxsplit.runtime.hand_out.take_over`): the reset releases what this graph handed
-        out (moved, or invalidated on torch 2.11), and this step still reads them."""
-        names = [self._placeholders[i].name for i in indices]
+        """Parameters the model rebinds are fxsplit's to copy from now on
+        (:meth:`StaticInputs.rebind`); those that are earlier outputs are copied first
+        (returned, see :func:`~fxsplit.runtime.hand_out.take_over`): the reset releases what
+        this graph handed out (moved, or invalidated on torch 2.11), and this step still reads
+        them."""
+        names = self.statics.names(indices)
         self._warn_once(
             "rebound:" + ",".join(names),
             f"fxsplit {self.graph_id}: {', '.join(names)} (a parameter or buffer) moved on "
@@ -381,13 +343,7 @@ class GraphRuntime:
             "copy), or several instances of one module class call this compiled graph (compile "
             "each with its own fxsplit.Backend).",
         )
-        self._volatile.update(names)
-        self._params = [i for i in self._params if i not in indices]
-        self._runner_inputs = sorted({*self._runner_inputs, *indices})
-        # The others keep following from this step's addresses: forgetting them (None) took the
-        # next step's move for the first look, and a graph captured on the old weights replayed.
-        self._param_ptrs = tuple(args[i].data_ptr() for i in self._params)
-        self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
+        self.statics.rebind(indices, args)
         taken = None
         if self.pool is not None:
             self._keep_state(args)
@@ -400,51 +356,27 @@ class GraphRuntime:
         """The outputs the model rebinds its parameters or buffers to are its state: tell the
         ledger which graph output each came from (:meth:`OutputLedger.keep_as_state`)."""
         ledger = self.pool.ledger
-        for i in self._runner_inputs:
-            if self._placeholders[i].name in self._volatile:
-                handed = ledger.handed_out(args[i])
-                if handed is not None:
-                    found = handed.graph_id, handed.slot
-                else:
-                    found = self.session.output_slot(args[i])
-                if found is not None:
-                    ledger.keep_as_state(args[i], *found)
+        for i in self.statics.rebound():
+            handed = ledger.handed_out(args[i])
+            if handed is not None:
+                found = handed.graph_id, handed.slot
+            else:
+                found = self.session.output_slot(args[i])
+            if found is not None:
+                ledger.keep_as_state(args[i], *found)
 
     def _check_settled(self, args) -> None:
-        """Rebound parameters that were the same tensor at the same address, in the caller's
-        memory, for the last ``_SETTLED`` calls are read by address again (weights reloaded on
-        two consecutive calls, then left alone): a rebound one is copied every call."""
-        settled = []
-        for i in self._runner_inputs:
-            if self._placeholders[i].name not in self._volatile:
-                continue
-            value = args[i]
-            ref, ptr, calls = self._settling.get(i, (None, None, 0))
-            if ref is not None and ref() is value and ptr == value.data_ptr():
-                calls += 1
-            else:
-                ref, ptr, calls = weakref.ref(value), value.data_ptr(), 1
-            self._settling[i] = (ref, ptr, calls)
-            # in the pool, a replay may move it (an address says nothing of the tensor); an
-            # uncaptured run's output (a cache made in a prefill) is the caller's memory, and
-            # stays "produced" until its graph runs again
-            if calls >= _SETTLED and not self.session.in_pool(value):
-                settled.append(i)
+        """Rebound parameters that held still are read by address again
+        (:meth:`StaticInputs.settled`): recapture."""
+        settled = self.statics.settled(args, self.session)
         if not settled:
             return
         log.info(
             "fxsplit %s: %s held still for %d calls: read by address again, recapturing",
             self.graph_id,
-            ", ".join(self._placeholders[i].name for i in settled),
-            _SETTLED,
+            ", ".join(self.statics.names(settled)),
+            SETTLED,
         )
-        for i in settled:
-            self._volatile.discard(self._placeholders[i].name)
-            del self._settling[i]
-        self._runner_inputs = [i for i in self._runner_inputs if i not in settled]
-        self._params = sorted({*self._params, *settled})
-        self._param_ptrs = tuple(args[i].data_ptr() for i in self._params)
-        self._frozen = frozenset(storage_ptr(args[i]) for i in self._params)
         self.reset()
         self.pieces = self._install()
 
