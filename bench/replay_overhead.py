@@ -80,7 +80,7 @@ def main() -> None:
         runtime._forward, runtime.capture_sizes = forward, None
         for piece in runtime.pieces:
             piece.run_uncaptured = originals[piece.name]
-        runtime.capture_step = True
+        runtime.context.capture_step = True
 
         rows = []
         for piece in runtime.pieces:

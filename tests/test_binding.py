@@ -88,7 +88,7 @@ def test_a_cache_handed_in_as_a_plain_argument_is_held_once_across_capture_keys(
             x = torch.randn(n, D)
             assert torch.equal(compiled(x, cache), f(x, cache)), n
     runtime = backend.runtimes[0]
-    held = {id(b.static) for b in runtime.buffers if b.static.numel() == cache.numel()}
+    held = {id(b.static) for b in runtime.context.buffers if b.static.numel() == cache.numel()}
     assert len(held) == 1
     assert _replays(backend) > 0
     # copied once (the first capture), never again: the same tensor with the same version

@@ -417,11 +417,11 @@ def test_two_backends_share_no_graphs_pools_or_stats_and_reset_clears_both():
     graphs_a = {id(e.graph) for p in rt_a.pieces for e in p.entries.values()}
     graphs_b = {id(e.graph) for p in rt_b.pieces for e in p.entries.values()}
     assert graphs_a and graphs_b and not graphs_a & graphs_b
-    assert not {t.data_ptr() for t in rt_a.static_outputs.values()} & {
-        t.data_ptr() for t in rt_b.static_outputs.values()
+    assert not {t.data_ptr() for t in rt_a.context.static_outputs.values()} & {
+        t.data_ptr() for t in rt_b.context.static_outputs.values()
     }
     assert backend_a._session.pools is not backend_b._session.pools
-    assert rt_a.capture_session is not rt_b.capture_session
+    assert rt_a.session is not rt_b.session
     assert _replays(backend_a) == 2 * 2 and _replays(backend_b) == 2 * 4
     assert counters.snapshot()["replays"] == 2 * 2 + 2 * 4  # the process-wide sum
     assert fxsplit.plans() == []  # the string backend saw nothing

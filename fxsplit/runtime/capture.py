@@ -31,25 +31,25 @@ def capture(piece, key, inputs) -> Entry:
         CaptureError / RuntimeError: an op illegal under capture, or outputs that require
             grad. Nothing the piece writes is left changed by a failed capture.
     """
-    runtime = piece.runtime
+    context = piece.context
     if piece.aliasing.deferred:
         analyse(piece, inputs)
-    session = runtime.session
-    pool = runtime.pool
+    session = context.session
+    pool = context.pool
     binds, statics, buffers = [], [], []
     for spec, value in zip(piece.specs, inputs, strict=True):
         buffer = None
         if not isinstance(value, torch.Tensor):
             bind = Bind.HOST
-        elif spec.kind == binding.INTERNAL and id(value) in runtime.static_outputs:
+        elif spec.kind == binding.INTERNAL and id(value) in context.static_outputs:
             bind = _OWN  # an earlier captured piece's output: fxsplit's memory already
             buffer = OwnBuffer(value, None, None, pooled=True)
-        elif spec.kind == binding.RUNNER and runtime.is_frozen_memory(value):
+        elif spec.kind == binding.RUNNER and context.is_frozen_memory(value):
             bind = _PINNED  # a view of a parameter or buffer: its memory never moves
         else:
-            bind = binding.bind(spec, runtime.binding, session.produced(value))
+            bind = binding.bind(spec, context.binding, session.produced(value))
             if bind is _OWN:
-                buffer = runtime.buffers.get(value, session, spec.rebound)
+                buffer = context.buffers.get(value, session, spec.rebound)
         binds.append(bind)
         buffers.append(buffer)
         statics.append(buffer.static if buffer is not None else value)
@@ -63,7 +63,7 @@ def capture(piece, key, inputs) -> Entry:
     graph = pool.new_graph(piece.generators)
     # The emulator runs the piece while recording; if the capture then fails, the fallback
     # run must find what the piece writes as it was (a CUDA capture executes nothing).
-    emulated = runtime.mode == "emulate"
+    emulated = context.mode == "emulate"
     saved = (
         [(statics[i], statics[i].clone()) for i in written if isinstance(statics[i], torch.Tensor)]
         if emulated
@@ -102,7 +102,7 @@ def capture(piece, key, inputs) -> Entry:
         ):
             # fxsplit's own memory: later pieces read it where it is (a view of a caller's
             # tensor or parameter is never bound that way: a copy into it would write there)
-            runtime.static_outputs[id(out)] = out
+            context.static_outputs[id(out)] = out
             ptr = storage_ptr(out)
             pool.owners[ptr] = order
             owned.append((id(out), ptr))

@@ -56,7 +56,7 @@ class CapturedPiece(torch.nn.Module):
         key_reads: what the capture key reads (:func:`fxsplit.runtime.binding.key_reads`).
         aliasing: what the piece writes and aliases (:mod:`fxsplit.facts.aliasing`).
         plan_piece: the :class:`~fxsplit.plan.Piece` (regions for messages, devices).
-        runtime: the :class:`~fxsplit.runtime.graph_runtime.GraphRuntime` that owns it.
+        context: its graph's :class:`~fxsplit.runtime.context.GraphContext`.
         generators: the CUDA generators other than the default one its nodes draw from.
     """
 
@@ -67,7 +67,7 @@ class CapturedPiece(torch.nn.Module):
         key_reads,
         aliasing: PieceAliasing,
         plan_piece,
-        runtime,
+        context,
         generators: tuple = (),
     ):
         super().__init__()
@@ -82,7 +82,7 @@ class CapturedPiece(torch.nn.Module):
         # would record as a failure: a compiled piece runs once before it is captured (in the
         # emulator too, whose capture schedule must be CUDA's).
         compiled = self.check_uncompiled is not None
-        self.min_warmups = max(runtime.warmup_runs, 1 if compiled else 0)
+        self.min_warmups = max(context.warmup_runs, 1 if compiled else 0)
         self.specs = specs
         self.aliasing = aliasing
         self.output_names = piece.output_names
@@ -94,7 +94,7 @@ class CapturedPiece(torch.nn.Module):
         self.unset = frozenset(
             j for j, name in enumerate(piece.output_names) if name in plan_piece.unset
         )
-        self.runtime = runtime
+        self.context = context
         # its outputs that eager pieces read, lent to them (fxsplit.runtime.lending)
         self.lent: tuple[int, ...] = ()
         self.entries: dict[tuple, Entry] = {}
@@ -107,8 +107,8 @@ class CapturedPiece(torch.nn.Module):
         self.key = key_function(key_reads)
 
     def __call__(self, *inputs):
-        runtime = self.runtime
-        if not runtime.capture_step:
+        context = self.context
+        if not context.capture_step:
             return self._uncaptured(inputs, None)
         if self.failed is not None:
             self._refuse(self.failed)
@@ -117,10 +117,10 @@ class CapturedPiece(torch.nn.Module):
         entry = self.entries.get(key)
         if entry is None:
             return self._miss(key, inputs)
-        if runtime.checking:
+        if context.checking:
             self._check(entry, inputs)
             return self._uncaptured(inputs, key)
-        pool = runtime.pool
+        pool = context.pool
         if not pool.in_order(entry.order):
             return self._recapture(entry, inputs)
         try:
@@ -128,7 +128,7 @@ class CapturedPiece(torch.nn.Module):
         except Refused as why:
             self._refuse(str(why))
             return self._uncaptured(inputs, key)
-        if runtime.verify:
+        if context.verify:
             return verified_replay(self, entry, inputs)
         pool.before_replay(entry.order)
         entry.graph.replay()
@@ -162,7 +162,7 @@ class CapturedPiece(torch.nn.Module):
                 continue
             region = buffer.region
             if buffer.pooled:  # the earlier piece ran uncaptured: refill its output's memory
-                pool = self.runtime.pool
+                pool = self.context.pool
                 pool.ledger.before_copy(storage_ptr(static), pool.step)
             if region is None:
                 static.copy_(value)
@@ -173,7 +173,7 @@ class CapturedPiece(torch.nn.Module):
                     f"input {self.specs[i].name!r} overlaps itself (e.g. expanded) and this "
                     "call's strides differ from the capture's"
                 )
-            buffer.remember(self.runtime.session, value)
+            buffer.remember(self.context.session, value)
             counts = entry.counts
             counts["input_copies"] += 1
             counts["input_copy_bytes"] += value.nbytes
@@ -207,7 +207,7 @@ class CapturedPiece(torch.nn.Module):
 
     def results(self, entry: Entry, inputs):
         """After a replay: write back what the piece wrote, then rebuild views of inputs."""
-        session = self.runtime.session
+        session = self.context.session
         for i, static, bind, buffer in entry.written:
             value = inputs[i]
             if bind is _OWN and value is not static:
@@ -238,22 +238,22 @@ class CapturedPiece(torch.nn.Module):
             CaptureRefusedError: under ``on_capture_error="raise"``.
         """
         self.stats.refusals[why] += 1
-        if self.runtime.checking:  # capture off: nothing was going to be captured
+        if self.context.checking:  # capture off: nothing was going to be captured
             return
-        if self.runtime.on_capture_error == "raise":
+        if self.context.on_capture_error == "raise":
             raise CaptureRefusedError(
-                f"fxsplit {self.runtime.graph_id}: {self.name} cannot be captured: {why} "
+                f"fxsplit {self.context.graph_id}: {self.name} cannot be captured: {why} "
                 "(on_capture_error='raise'; 'fallback' runs it uncaptured)"
             )
         if why not in self.warned:
             self.warned.add(why)
             warn_at_caller(
-                f"fxsplit {self.runtime.graph_id}: {self.name} runs uncaptured: {why}",
+                f"fxsplit {self.context.graph_id}: {self.name} runs uncaptured: {why}",
                 FxsplitRuntimeWarning,
             )
 
     def _miss(self, key, inputs):
-        runtime = self.runtime
+        context = self.context
         done = self.warmups.get(key, 0)
         before = torch._C._dynamo.guards.GlobalStateGuard()
         if done < self.min_warmups:
@@ -265,13 +265,13 @@ class CapturedPiece(torch.nn.Module):
                 self.warmups[key] = done + 1
             self._check_global_state(before)
             return out
-        if len(self.entries) >= runtime.max_captured_keys:
+        if len(self.entries) >= context.max_captured_keys:
             self._refuse(
-                f"max_captured_keys={runtime.max_captured_keys} reached; further keys run "
+                f"max_captured_keys={context.max_captured_keys} reached; further keys run "
                 "uncaptured"
             )
             return self._uncaptured(inputs, key)
-        if runtime.checking:
+        if context.checking:
             self.entries[key] = self._fix_addresses(key, inputs)
             return self._uncaptured(inputs, key)
         try:
@@ -288,7 +288,7 @@ class CapturedPiece(torch.nn.Module):
             # RuntimeError (CaptureError, CUDA's errors); anything else that the plain run does
             # not raise again is fxsplit's own fault, and is never hidden as a refusal.
             out = self._uncaptured(inputs, key)
-            if runtime.on_capture_error == "raise" or not isinstance(error, RuntimeError):
+            if context.on_capture_error == "raise" or not isinstance(error, RuntimeError):
                 raise
             self.failed = f"{type(error).__name__}: {error}"
             self._refuse(self.failed)
@@ -298,7 +298,7 @@ class CapturedPiece(torch.nn.Module):
             owned = {ident for ident, _ in entry.owned}
             outputs = flat(entry.outputs)
             lent = [outputs[j] for j in self.lent if id(outputs[j]) in owned]
-            runtime.pool.ledger.loans.lend(lent, entry.order, runtime.graph_id, self.name)
+            context.pool.ledger.loans.lend(lent, entry.order, context.graph_id, self.name)
         self.stats.add(entry.counts, "captures")
         self._check_global_state(before)
         return self.results(entry, inputs)
@@ -318,7 +318,7 @@ class CapturedPiece(torch.nn.Module):
         self._check(entry, inputs)  # a persistent input that moved is the runner's bug
         log.info(
             "fxsplit %s: %s recaptured for key %s so that replays keep capture order",
-            self.runtime.graph_id,
+            self.context.graph_id,
             self.name,
             entry.key,
         )
@@ -330,23 +330,23 @@ class CapturedPiece(torch.nn.Module):
     def drop(self, entry: Entry) -> None:
         """Free ``entry``'s graph; outputs of it that were handed out and are still held move to
         memory of their own (invalidated on torch 2.11)."""
-        runtime = self.runtime
+        context = self.context
         for ident, ptr in entry.owned:
-            runtime.static_outputs.pop(ident, None)
-            runtime.pool.owners.pop(ptr, None)
-        runtime.pool.ledger.release_order(entry.order, runtime.pool.step)
+            context.static_outputs.pop(ident, None)
+            context.pool.owners.pop(ptr, None)
+        context.pool.ledger.release_order(entry.order, context.pool.step)
         entry.graph.reset()
 
     def _fix_addresses(self, key, inputs) -> Entry:
         """Capture off, strict binding: the entry that fixes the persistent inputs' addresses
         (what a capture would bind), with no graph."""
-        runtime = self.runtime
-        produced = runtime.session.produced
+        context = self.context
+        produced = context.session.produced
         checks = []
         for i, (spec, value) in enumerate(zip(self.specs, inputs, strict=True)):
             if not isinstance(value, torch.Tensor):
                 continue
-            if spec.kind == binding.RUNNER and runtime.is_frozen_memory(value):
+            if spec.kind == binding.RUNNER and context.is_frozen_memory(value):
                 continue  # a view of a parameter or buffer: bound by address, never an error
             if binding.bind(spec, "strict", produced(value)) is _ADDRESS:
                 checks.append((i, value, value.data_ptr(), _ADDRESS, None))
@@ -361,7 +361,7 @@ class CapturedPiece(torch.nn.Module):
                 f"input {spec.name!r} is a view of a parameter or buffer, bound by address at "
                 "capture, and this call hands another view"
             )
-        if self.runtime.session.produced(value):
+        if self.context.session.produced(value):
             return Refused(
                 f"input {spec.name!r} is bound to the caller's persistent tensor, but this call "
                 "hands it a value fxsplit produced"

@@ -19,11 +19,11 @@ from fxsplit.config import Config
 from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError
+from fxsplit.runtime.context import GraphContext
 from fxsplit.runtime.hand_out import hand_back, hand_out, take_over, with_copies
 from fxsplit.runtime.lending import Borrower
 from fxsplit.runtime.pool import MemoryPool
 from fxsplit.runtime.session import CaptureSession
-from fxsplit.runtime.static_buffers import OwnBuffers
 from fxsplit.runtime.static_inputs import FIRST, REBOUND, SAME, SETTLED, StaticInputs
 from fxsplit.size_input import size_input_index
 from fxsplit.warn import warn_at_caller
@@ -86,17 +86,10 @@ class GraphRuntime:
             for slot in frame.state_outputs:
                 pool.ledger.state_slot(self.graph_id, slot)
         self.device = device
-        self.capture_session = self.session = session
-        self.binding = config.binding
-        self.warmup_runs = config.warmup_runs
-        self.max_captured_keys = config.max_captured_keys
+        self.session = session
         self.on_capture_error = config.on_capture_error
-        self.verify = config.verify
         self.clone_outputs = config.clone_outputs
         self.capture_sizes = frozenset(config.capture_sizes) if config.capture_sizes else None
-        self.capture_step = False
-        self.static_outputs: dict[int, torch.Tensor] = {}
-        self.buffers = OwnBuffers()  # fxsplit's own buffer for each caller view
         self._warned: set[str] = set()
         self._logged_sizes: set[int] = set()
         self._steps = 0
@@ -110,6 +103,20 @@ class GraphRuntime:
             n.name for n in self._placeholders if binding.is_static_argument(n)
         )
         self.statics = StaticInputs(self._placeholders, example_inputs, self._static_arguments)
+        self.context = GraphContext(
+            self.graph_id,
+            mode,
+            config.binding,
+            config.warmup_runs,
+            config.max_captured_keys,
+            config.on_capture_error,
+            config.verify,
+            self.capture_sizes,
+            pool,
+            session,
+            split,
+            self.statics,
+        )
         self._size_index = size_input_index(
             self._placeholders,
             example_inputs,
@@ -182,7 +189,7 @@ class GraphRuntime:
                         statics.add(module.output_names[j])
                 reads = binding.key_reads(specs, inputs)
                 captured = CapturedPiece(
-                    module, specs, reads, facts, plan_piece, self, _generators(part.nodes)
+                    module, specs, reads, facts, plan_piece, self.context, _generators(part.nodes)
                 )
                 # the stitched module's generated code calls it through its instance dict
                 self._stitched.register_module(captured.name, captured)
@@ -228,8 +235,8 @@ class GraphRuntime:
         if pool is not None:
             pool.ledger.check_inputs(args, self.graph_id)
         handed = None
-        self.capture_step = self._may_capture(args)
-        if self.capture_step:
+        self.context.capture_step = capture = self._may_capture(args)
+        if capture:
             statics = self.statics
             if statics.volatile and pool is not None:
                 self._keep_state(args)
@@ -408,8 +415,8 @@ class GraphRuntime:
                     dropped += 1
             piece.entries.clear()
             piece.warmups.clear()
-        self.static_outputs.clear()
-        self.buffers.clear()
+        self.context.static_outputs.clear()
+        self.context.buffers.clear()
         self.session.forget(self)
         if dropped and self.pool is not None and self.pool.cuda is not None:
             self.pool.cuda.renew(f"{self.graph_id} reset")

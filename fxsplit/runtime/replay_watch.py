@@ -55,20 +55,20 @@ class Watch:
         ``Backend.capture`` captures sizes up front do not count, nor, under ``capture_sizes``,
         keys that differ only in the token count (a warm-up of each size: bounded by the
         sizes, each replayed later)."""
-        runtime = self.piece.runtime
-        if runtime.session.up_front:
+        context = self.piece.context
+        if context.session.up_front:
             self.up_front.add(key)
             return
         keys = [k for k in per_key if k is not None and k not in self.up_front]
         if len(keys) < NEW_KEYS:
             return
-        if runtime in _WARNED or any(c["replays"] for c in per_key.values()):
+        if context in _WARNED or any(c["replays"] for c in per_key.values()):
             return
         keys = keys[-NEW_KEYS:]
         changes = self._changes(keys)
-        if runtime.capture_sizes is not None and changes and all(t for _, _, t in changes):
+        if context.capture_sizes is not None and changes and all(t for _, _, t in changes):
             return
-        _WARNED.add(runtime)
+        _WARNED.add(context)
         message = self.message(keys, changes)
         log.info("%s", message)
         warn_at_caller(message, FxsplitRuntimeWarning)
@@ -86,7 +86,7 @@ class Watch:
         """The warning for a piece whose last ``keys`` never repeated; ``changes`` from
         :meth:`_changes`."""
         piece = self.piece
-        runtime = piece.runtime
+        context = piece.context
         parts = []
         for j, what, _ in changes:
             values = ", ".join(_shown(k[j]) for k in keys[:3])
@@ -94,7 +94,7 @@ class Watch:
         tokens = all(t for _, _, t in changes)
         what = " and ".join(parts) if parts else "its capture key"
         return (
-            f"fxsplit {runtime.graph_id}: {piece.name} met {len(keys)} new capture keys in a row "
+            f"fxsplit {context.graph_id}: {piece.name} met {len(keys)} new capture keys in a row "
             f"and replayed none: {what} changed every time, so every call captures a graph or "
             f"runs uncaptured. To replay, "
             f"{self._advice(keys[-1], [j for j, _, _ in changes], bool(parts) and tokens)}."
@@ -118,7 +118,7 @@ class Watch:
             "splitting_ops) or keep it fixed (persistent buffers of a fixed size, such as "
             "transformers' StaticCache)"
         )
-        steps = self.piece.runtime.split.steps
+        steps = self.piece.context.split.steps
         if steps is not None and steps.every_size:
             advice += (
                 ", or compile without dynamic=True so that fxsplit sees it change and runs "
@@ -131,7 +131,7 @@ class Watch:
         count)."""
         piece = self.piece
         spec = piece.specs[i]
-        split = piece.runtime.split
+        split = piece.context.split
         steps = split.steps
         node = next((n for n in split.graph_module.graph.nodes if n.name == spec.name), None)
         value = node.meta.get("example_value") if node is not None else None

@@ -30,9 +30,9 @@ def verified_replay(piece, entry: Entry, inputs):
         for i, ptr in enumerate(entry.capture_ptrs)
         if ptr is not None and inputs[i].data_ptr() != ptr
     ]
-    pool = piece.runtime.pool
+    pool = piece.context.pool
     pool.before_replay(entry.order)
-    if piece.random and piece.runtime.mode != "emulate":
+    if piece.random and piece.context.mode != "emulate":
         # A CUDA graph draws from its own RNG offsets: an uncaptured run cannot repeat them.
         if "verify-random" not in piece.warned:
             piece.warned.add("verify-random")
@@ -56,7 +56,7 @@ def verified_replay(piece, entry: Entry, inputs):
         if j not in piece.unset
     ]
     pairs += [(inputs[i], snapshots[i]) for i in written]
-    exact = piece.runtime.mode == "emulate"
+    exact = piece.context.mode == "emulate"
     how = "" if exact else " beyond torch.testing.assert_close's tolerances"
     for a, b in pairs:
         if isinstance(a, torch.Tensor) and not same(a, b, exact):

@@ -1,0 +1,69 @@
+"""What a captured piece reads of its graph at run time (a :class:`GraphContext`), and nothing
+more: the graph's capture options, its pool and session, this step's capture gate, and the
+memory the graph's pieces share (their outputs in the pool, fxsplit's own input buffers, the
+parameters read by address). The :class:`~fxsplit.runtime.graph_runtime.GraphRuntime` that owns
+the pieces fills it; a piece never reaches the runtime itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxsplit.runtime.static_buffers import OwnBuffers
+
+if TYPE_CHECKING:
+    from fxsplit.passes import Split
+    from fxsplit.runtime.pool import MemoryPool
+    from fxsplit.runtime.session import CaptureSession
+    from fxsplit.runtime.static_inputs import StaticInputs
+
+__all__ = ["GraphContext"]
+
+
+@dataclass(eq=False)
+class GraphContext:
+    """One graph's run-time facts its captured pieces share.
+
+    Attributes:
+        graph_id: the graph's name in plans, messages and stats.
+        mode: ``"cuda"``, ``"emulate"`` or ``"check"`` (capture off, strict binding checked).
+        binding: the ``input_binding`` option (:func:`fxsplit.runtime.binding.bind`).
+        warmup_runs / max_captured_keys / on_capture_error / verify: the options of those names.
+        capture_sizes: the ``capture_sizes`` option as a set, or None.
+        pool: the :class:`~fxsplit.runtime.pool.MemoryPool` (None when checking).
+        session: the backend's :class:`~fxsplit.runtime.session.CaptureSession`.
+        split: the graph's :class:`~fxsplit.passes.Split` (the replay watch explains a piece
+            that never replays in terms of its traced graph).
+        statics: the graph's :class:`~fxsplit.runtime.static_inputs.StaticInputs`.
+        capture_step: this call may capture and replay (set by the runtime every call).
+        static_outputs: ``id`` -> the captured pieces' outputs in fxsplit's memory.
+        buffers: fxsplit's own buffers for the caller's tensors.
+    """
+
+    graph_id: str
+    mode: str
+    binding: str
+    warmup_runs: int
+    max_captured_keys: int
+    on_capture_error: str
+    verify: bool
+    capture_sizes: frozenset | None
+    pool: MemoryPool | None
+    session: CaptureSession
+    split: Split
+    statics: StaticInputs
+    capture_step: bool = False
+    static_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    buffers: OwnBuffers = field(default_factory=OwnBuffers)
+
+    @property
+    def checking(self) -> bool:
+        """Capture is off and the pieces only check what a replay would bind."""
+        return self.mode == "check"
+
+    def is_frozen_memory(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` lives in a parameter's or buffer's storage of the graph."""
+        return self.statics.is_frozen_memory(value)
