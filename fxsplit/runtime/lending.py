@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fxsplit.runtime.storage import may_move, move_out, storage_ptr, view_over
 
@@ -48,6 +49,7 @@ class _Loan:
     sources: list
     views: list
     cdata: int = 0
+    ref: StorageWeakRef | None = None  # to the loan's storage
     base: int = 0
 
 
@@ -97,12 +99,18 @@ class Loans:
         )
         loan.views = [view_over(storage, source) for source in loan.sources]
         loan.cdata = storage._cdata
+        loan.ref = StorageWeakRef(storage)
         del storage
         # (a comprehension: a loop variable left bound to a view would count in ``base``)
         self.lent.update(
             {id(s): (s, v, loan.cdata) for s, v in zip(loan.sources, loan.views, strict=True)}
         )
         loan.base = _uses(loan)
+
+    def live_refs(self) -> list[StorageWeakRef]:
+        """Weak references to every loan's storage: what an eager op kept of the pool's memory
+        keeps it alive when the pool goes (:meth:`EmulatedPool.outlive`)."""
+        return [loan.ref for loan in self._loans]
 
     def settle(self) -> list[tuple[str, str]]:
         """A step begins: every loan an eager op kept moves to memory of its own (or is

@@ -152,8 +152,8 @@ class OutputLedger:
         return view_over(storage, value)
 
     def live_refs(self) -> list[StorageWeakRef]:
-        """Weak references to the storages of every hand-out still followed."""
-        return [handed.ref for handed in self._live.values()]
+        """Weak references to the storages of every hand-out and loan still followed."""
+        return [handed.ref for handed in self._live.values()] + self.loans.live_refs()
 
     def handed_out(self, tensor: torch.Tensor) -> _HandOut | None:
         """The live hand-out ``tensor`` is (or is a view of), else None."""
