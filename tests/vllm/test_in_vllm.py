@@ -76,7 +76,7 @@ def test_llama_replays_at_least_nine_calls_in_ten(runner):
     assert run.tokens == expected
     assert run.replay_share >= 0.9, run.counts
     if runner == "v2":
-        assert [rt.binding for rt in run.backend.runtimes] == ["strict"]
+        assert [rt.context.binding for rt in run.backend.runtimes] == ["strict"]
         assert run.counts["input_copies"] == 0 and run.counts["input_copy_bytes"] == 0
 
 
