@@ -739,3 +739,132 @@ def test_clone_outputs_returning_views_of_what_an_eager_op_read_warns_nothing():
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), step
             assert got[1].data_ptr() == got[0].data_ptr()  # still views of one another
     assert counters.snapshot()["replays"] >= 2 * 4
+
+
+_KEPT: list = []
+
+
+@torch.library.custom_op("fxsplit_lifetime::keep_storage", mutates_args=())
+def _keep_storage(h: torch.Tensor) -> torch.Tensor:
+    _KEPT.append(h.untyped_storage())  # the storage alone, no tensor
+    return h.softmax(-1)
+
+
+@_keep_storage.register_fake
+def _(h):
+    return torch.empty_like(h)
+
+
+class _KeepsStorage(nn.Module):
+    def forward(self, x):
+        return torch.ops.fxsplit_lifetime.keep_storage((x * 2).tanh()) * 3
+
+
+def test_an_eager_op_keeping_only_the_storage_of_what_it_was_lent_keeps_its_values():
+    """Found by a hunt: an op that keeps ``h.untyped_storage()`` (no tensor) was not seen as
+    keeping its loan, and the next replay overwrote the storage (off by 2.0, no warning). The
+    loan's one Python storage object counts too."""
+
+    def values(storage):
+        return torch.empty(0).set_(storage, 0, (3, D)).clone()
+
+    with torch.no_grad():
+        _KEPT.clear()
+        eager = _KeepsStorage()
+        for step in range(5):
+            eager(_x(step))
+        want = [values(s) for s in _KEPT]
+        _KEPT.clear()
+        model, backend = _compile(
+            _KeepsStorage(), splitting_ops=["fxsplit_lifetime::keep_storage"], warmup_runs=0
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for step in range(5):
+                model(_x(step))
+        got = [values(s) for s in _KEPT]
+        _KEPT.clear()
+    assert counters.snapshot()["replays"] > 0
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert _ledger(backend).loans.moved >= 3
+
+
+@torch.library.custom_op("fxsplit_lifetime::keep_dlpack", mutates_args=())
+def _keep_dlpack(h: torch.Tensor) -> torch.Tensor:
+    _KEPT.append(torch.utils.dlpack.to_dlpack(h))  # a capsule: the consumer keeps the address
+    return h.softmax(-1)
+
+
+@_keep_dlpack.register_fake
+def _(h):
+    return torch.empty_like(h)
+
+
+class _KeepsCapsule(nn.Module):
+    def forward(self, x):
+        return torch.ops.fxsplit_lifetime.keep_dlpack((x * 2).tanh()) * 3
+
+
+def test_an_eager_op_keeping_a_dlpack_capsule_of_what_it_was_lent_is_warned_about():
+    """A DLPack capsule holds the loan's tensor from C++ and its consumer the raw address,
+    which no move reaches: nothing can keep its values, so fxsplit warns once, naming the piece
+    and the fix (found by a hunt: silent, off by 2.0)."""
+    model, _ = _compile(
+        _KeepsCapsule(), splitting_ops=["fxsplit_lifetime::keep_dlpack"], warmup_runs=0
+    )
+    with torch.no_grad(), pytest.warns(fxsplit.FxsplitRuntimeWarning, match="DLPack") as seen:
+        for step in range(5):
+            model(_x(step))
+    _KEPT.clear()
+    assert counters.snapshot()["replays"] > 0
+    message = next(str(w.message) for w in seen if "DLPack" in str(w.message))
+    assert "piece_0" in message and "clone" in message
+    assert len([w for w in seen if "DLPack" in str(w.message)]) == 1
+
+
+_PREVIOUS_H: dict = {}
+
+
+@torch.library.custom_op("fxsplit_lifetime::keep_previous", mutates_args=())
+def _keep_previous(h: torch.Tensor) -> torch.Tensor:
+    previous = _PREVIOUS_H.get(0, h)
+    _PREVIOUS_H[0] = h  # kept for the next step (EAGLE/MTP style)
+    return h + previous
+
+
+@_keep_previous.register_fake
+def _(h):
+    return torch.empty_like(h)
+
+
+class _FedBackState(nn.Module):
+    def forward(self, x):
+        x.mul_(0.5)  # in place on the fed-back state
+        h = (x * 3 + 1).tanh()
+        return h, torch.ops.fxsplit_lifetime.keep_previous(h) * 2
+
+
+def test_a_fed_back_output_an_op_kept_sees_the_models_write_to_it():
+    """``x, o = model(x)``: the model writes ``x`` in place, and the op kept the ``h`` it
+    returned as ``x`` a step before, which in eager is that one tensor. The returned output now
+    shares the op's memory, so the op sees the write (found by a hunt: off by 0.99 from the
+    second step, no warning; the op's copy and the caller's tensor had parted)."""
+
+    def run(model):
+        _PREVIOUS_H.clear()
+        x, outs = torch.linspace(-1, 1, 3 * D).view(3, D), []
+        for _ in range(6):
+            x, o = model(x)
+            outs.append(o.clone())
+        _PREVIOUS_H.clear()
+        return outs
+
+    with torch.no_grad():
+        want = run(_FedBackState())
+        model, _ = _compile(
+            _FedBackState(), splitting_ops=["fxsplit_lifetime::keep_previous"], warmup_runs=0
+        )
+        got = run(model)
+    assert counters.snapshot()["replays"] > 0
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), (step, (g - w).abs().max().item())

@@ -87,13 +87,19 @@ def hand_out(out: tuple, pool, graph_id: str, clone: bool) -> tuple:
     if not mine:
         return out
     result = list(out)
-    if clone or not pool.ledger.can_invalidate:
-        loans, kept = pool.ledger.loans, {}
-        for j, copy in zip(mine, clone_sharing([out[j] for j in mine]), strict=True):
+    # what an eager op kept of an output it was lent: the caller's tensor shares that memory
+    loans, kept = pool.ledger.loans, {}
+    if loans.lent:
+        for j in mine:
             ptr = storage_ptr(out[j])
             if ptr not in kept:
                 kept[ptr] = loans.kept_storage(ptr)
-            result[j] = copy if kept[ptr] is None else view_over(kept[ptr], out[j])
+            if kept[ptr] is not None:
+                result[j] = view_over(kept[ptr], out[j])
+        mine = [j for j in mine if kept[storage_ptr(out[j])] is None]
+    if clone or not pool.ledger.can_invalidate:
+        for j, copy in zip(mine, clone_sharing([out[j] for j in mine]), strict=True):
+            result[j] = copy
         return tuple(result)
     storages: dict[int, torch.UntypedStorage] = {}
     step = pool.step

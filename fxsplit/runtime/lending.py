@@ -34,6 +34,7 @@ from fxsplit.runtime.storage import may_move, move_out, storage_ptr, view_over
 __all__ = ["Borrower", "Loans"]
 
 _POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+UNMOVED, NATIVE = "unmoved", "native"  # why a kept loan is warned about (Loans.settle)
 _USE_COUNT = torch._C._storage_Use_Count  # tensors (and storage objects) over one storage
 
 
@@ -48,18 +49,26 @@ class _Loan:
     piece: str
     sources: list
     views: list
+    storage: torch.UntypedStorage | None = None  # the loan's storage (the one Python object)
     cdata: int = 0
     ref: StorageWeakRef | None = None  # to the loan's storage
     base: int = 0
+    native: int = 0  # what C++ holds of the views when nothing but fxsplit does
 
 
 def _uses(loan: _Loan) -> int:
     """Every reference to the loan's views and storage: a kept tensor (the view itself, or any
-    view of it, held by Python or C++ code) raises one of them."""
-    n = _USE_COUNT(loan.cdata)
+    view of it, held by Python or C++ code), or its storage object (``t.untyped_storage()``
+    returns the loan's one Python storage object), raises one of them."""
+    n = _USE_COUNT(loan.cdata) + sys.getrefcount(loan.storage)
     for view in loan.views:
         n += sys.getrefcount(view) + view._use_count()
     return n
+
+
+def _native(loan: _Loan) -> int:
+    """What C++ code holds of the loan's views (a DLPack capsule holds one)."""
+    return sum(view._use_count() for view in loan.views)
 
 
 class Loans:
@@ -98,29 +107,35 @@ class Loans:
             loan.ptr, first.device, first.untyped_storage().nbytes()
         )
         loan.views = [view_over(storage, source) for source in loan.sources]
-        loan.cdata = storage._cdata
-        loan.ref = StorageWeakRef(storage)
+        loan.storage, loan.cdata, loan.ref = storage, storage._cdata, StorageWeakRef(storage)
         del storage
         # (a comprehension: a loop variable left bound to a view would count in ``base``)
         self.lent.update(
             {id(s): (s, v, loan.cdata) for s, v in zip(loan.sources, loan.views, strict=True)}
         )
         loan.base = _uses(loan)
+        loan.native = _native(loan)
 
     def live_refs(self) -> list[StorageWeakRef]:
         """Weak references to every loan's storage: what an eager op kept of the pool's memory
         keeps it alive when the pool goes (:meth:`EmulatedPool.outlive`)."""
         return [loan.ref for loan in self._loans]
 
-    def settle(self) -> list[tuple[str, str]]:
+    def settle(self) -> list[tuple[str, str, str]]:
         """A step begins: every loan an eager op kept moves to memory of its own (or is
-        invalidated where this torch cannot move it). Returns ``(graph, piece)`` of those kept
-        where neither is possible (warned about: the next replay overwrites them)."""
-        unsafe = []
+        invalidated where this torch cannot move it). Returns ``(graph, piece, why)`` of each
+        kept loan to warn about: ``UNMOVED`` where neither is possible (the next replay
+        overwrites it), ``NATIVE`` where C++ code holds it (a DLPack capsule keeps the old
+        address, which the next replay overwrites; the move cannot reach it)."""
+        warn = []
         for loan in self._loans:
-            if _uses(loan) != loan.base and not self._give_up(loan):
-                unsafe.append((loan.graph_id, loan.piece))
-        return unsafe
+            if _uses(loan) == loan.base:
+                continue
+            if _native(loan) != loan.native:
+                warn.append((loan.graph_id, loan.piece, NATIVE))
+            if not self._give_up(loan):
+                warn.append((loan.graph_id, loan.piece, UNMOVED))
+        return warn
 
     def before_copy(self, ptr: int) -> None:
         """A copy outside any replay is about to write the memory at ``ptr``: loans over it
@@ -146,17 +161,17 @@ class Loans:
         self._loans = keep
 
     def kept_storage(self, ptr: int) -> torch.UntypedStorage | None:
-        """The memory at ``ptr`` (a pool storage the graph returns as a copy,
-        ``clone_outputs``) as an eager op kept it, if one did: it moves out of the pool now, so
-        that the caller's tensor can share it with the op's, as eager's one tensor would (a
-        copy would miss the model's later writes, after a graph break, to what the op kept).
-        None where no loan of it is kept, or where it cannot move."""
+        """The memory at ``ptr`` (a pool storage the graph returns) as an eager op kept it, if
+        one did: it moves out of the pool now, so that the caller's tensor shares it with the
+        op's, as eager's one tensor would (a hand-out or a copy of its own would miss the
+        model's later writes to it, after a graph break or at the next step, ``x = model(x)``
+        writing ``x``). None where no loan of it is kept, or where it cannot move."""
         loan = self._at.get(ptr)
         if loan is None or _uses(loan) == loan.base or not may_move():
             return None
         self.moved += 1
         move_out(loan.cdata)
-        storage = torch.UntypedStorage._new_with_weak_ptr(loan.cdata)
+        storage = loan.storage
         self._fill(loan)
         return storage
 
