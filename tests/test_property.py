@@ -127,21 +127,35 @@ def _(t, src):
     return None
 
 
-STASH: list[torch.Tensor] = []  # what fxsplit_prop::stash kept, in order
+STASH: list = []  # what fxsplit_prop::stash kept, in order (see _kept)
+STASH_FORMS = 3  # the argument, a view of it, its storage alone
 
 
 @torch.library.custom_op("fxsplit_prop::stash", mutates_args=())
-def stash(x: torch.Tensor) -> torch.Tensor:
-    """Keeps a reference to its argument past the call (as a prefix cache might); always a
-    splitting op, so it runs in an eager piece, on a captured piece's output when it follows
-    one."""
-    STASH.append(x)
+def stash(x: torch.Tensor, how: int = 0) -> torch.Tensor:
+    """Keeps its argument past the call (as a prefix cache might): the tensor itself, a view of
+    it, or only its storage (``how``, one of ``STASH_FORMS``); always a splitting op, so it runs
+    in an eager piece, on a captured piece's output when it follows one."""
+    if how == 0:
+        STASH.append(x)
+    elif how == 1:
+        STASH.append(x[..., 1:] if x.dim() and x.shape[-1] > 1 else x[...])
+    else:
+        STASH.append((x.untyped_storage(), x.shape, x.stride(), x.storage_offset(), x.dtype))
     return x * 1.5 + 0.5
 
 
 @stash.register_fake
-def _(x):
+def _(x, how=0):
     return torch.empty_like(x)
+
+
+def _kept(value) -> torch.Tensor:
+    """What the stash op kept, as a tensor (one rebuilt over a storage kept alone)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    storage, shape, stride, offset, dtype = value
+    return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
 
 
 @torch.library.custom_op("fxsplit_prop::noisy", mutates_args=())
@@ -403,7 +417,8 @@ class Interp(nn.Module):
         elif kind == "rand":
             regs.append(regs[ins[1] % n] + torch.rand_like(regs[ins[1] % n]))
         elif kind == "stash":
-            regs.append(torch.ops.fxsplit_prop.stash(regs[ins[1] % n]))
+            how = ins[2] if len(ins) > 2 else 0
+            regs.append(torch.ops.fxsplit_prop.stash(regs[ins[1] % n], how))
         elif kind == "noisy":
             regs.append(torch.ops.fxsplit_prop.noisy(regs[ins[1] % n]))
         elif kind == "state":
@@ -496,7 +511,10 @@ OPS = st.one_of(
     st.tuples(st.just("store"), st.sampled_from(STORES), REG),
     st.tuples(st.just("state"), st.sampled_from(STATE_OPS), REG),
     # rarer (one slot for both): an eager op keeping its argument; random draws then a host read
-    st.tuples(st.sampled_from(("stash", "noisy")), REG),
+    st.one_of(
+        st.tuples(st.just("stash"), REG, st.integers(0, STASH_FORMS - 1)),
+        st.tuples(st.just("noisy"), REG),
+    ),
 )
 
 
@@ -1045,6 +1063,7 @@ def _run_calls(case: Case) -> fxsplit.Backend:
             if not any("still referenced after the call" in str(w.message) for w in seen):
                 mine = [t for pair in buffers.values() for t in pair]  # refilled by the caller
                 for e, c, then in stashed:
+                    e, c = _kept(e), _kept(c)
                     if not any(_shares_storage(c, t) for t in mine):
                         assert _same(e, c, exact), f"step {step}: what an op kept at {then} changed"
             for t, snap in held:  # never handed in this step: nothing may have written them
