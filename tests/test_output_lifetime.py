@@ -744,20 +744,28 @@ def test_clone_outputs_returning_views_of_what_an_eager_op_read_warns_nothing():
 _KEPT: list = []
 
 
-@torch.library.custom_op("fxsplit_lifetime::keep_storage", mutates_args=())
-def _keep_storage(h: torch.Tensor) -> torch.Tensor:
-    _KEPT.append(h.untyped_storage())  # the storage alone, no tensor
+STORAGE, CAPSULE = 0, 1  # what fxsplit_lifetime::keep keeps of its argument
+
+
+@torch.library.custom_op("fxsplit_lifetime::keep", mutates_args=())
+def _keep(h: torch.Tensor, how: int) -> torch.Tensor:
+    # its storage alone (no tensor), or a DLPack capsule (the consumer keeps the address)
+    _KEPT.append(h.untyped_storage() if how == STORAGE else torch.utils.dlpack.to_dlpack(h))
     return h.softmax(-1)
 
 
-@_keep_storage.register_fake
-def _(h):
+@_keep.register_fake
+def _(h, how):
     return torch.empty_like(h)
 
 
-class _KeepsStorage(nn.Module):
+class _Keeps(nn.Module):
+    def __init__(self, how: int):
+        super().__init__()
+        self.how = how
+
     def forward(self, x):
-        return torch.ops.fxsplit_lifetime.keep_storage((x * 2).tanh()) * 3
+        return torch.ops.fxsplit_lifetime.keep((x * 2).tanh(), self.how) * 3
 
 
 def test_an_eager_op_keeping_only_the_storage_of_what_it_was_lent_keeps_its_values():
@@ -770,13 +778,13 @@ def test_an_eager_op_keeping_only_the_storage_of_what_it_was_lent_keeps_its_valu
 
     with torch.no_grad():
         _KEPT.clear()
-        eager = _KeepsStorage()
+        eager = _Keeps(STORAGE)
         for step in range(5):
             eager(_x(step))
         want = [values(s) for s in _KEPT]
         _KEPT.clear()
         model, backend = _compile(
-            _KeepsStorage(), splitting_ops=["fxsplit_lifetime::keep_storage"], warmup_runs=0
+            _Keeps(STORAGE), splitting_ops=["fxsplit_lifetime::keep"], warmup_runs=0
         )
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -789,29 +797,11 @@ def test_an_eager_op_keeping_only_the_storage_of_what_it_was_lent_keeps_its_valu
     assert _ledger(backend).loans.moved >= 3
 
 
-@torch.library.custom_op("fxsplit_lifetime::keep_dlpack", mutates_args=())
-def _keep_dlpack(h: torch.Tensor) -> torch.Tensor:
-    _KEPT.append(torch.utils.dlpack.to_dlpack(h))  # a capsule: the consumer keeps the address
-    return h.softmax(-1)
-
-
-@_keep_dlpack.register_fake
-def _(h):
-    return torch.empty_like(h)
-
-
-class _KeepsCapsule(nn.Module):
-    def forward(self, x):
-        return torch.ops.fxsplit_lifetime.keep_dlpack((x * 2).tanh()) * 3
-
-
 def test_an_eager_op_keeping_a_dlpack_capsule_of_what_it_was_lent_is_warned_about():
     """A DLPack capsule holds the loan's tensor from C++ and its consumer the raw address,
     which no move reaches: nothing can keep its values, so fxsplit warns once, naming the piece
     and the fix (found by a hunt: silent, off by 2.0)."""
-    model, _ = _compile(
-        _KeepsCapsule(), splitting_ops=["fxsplit_lifetime::keep_dlpack"], warmup_runs=0
-    )
+    model, _ = _compile(_Keeps(CAPSULE), splitting_ops=["fxsplit_lifetime::keep"], warmup_runs=0)
     with torch.no_grad(), pytest.warns(fxsplit.FxsplitRuntimeWarning, match="DLPack") as seen:
         for step in range(5):
             model(_x(step))
