@@ -295,9 +295,13 @@ class CapturedPiece(torch.nn.Module):
             return out
         self.entries[key] = entry
         if self.lent:
-            owned = {ident for ident, _ in entry.owned}
-            outputs = flat(entry.outputs)
-            lent = [outputs[j] for j in self.lent if id(outputs[j]) in owned]
+            # its own outputs and views of earlier pieces' (in the pool all the same)
+            owners, outputs = context.pool.owners, flat(entry.outputs)
+            lent = [
+                outputs[j]
+                for j in self.lent
+                if isinstance(outputs[j], torch.Tensor) and storage_ptr(outputs[j]) in owners
+            ]
             context.pool.ledger.loans.lend(lent, entry.order, context.graph_id, self.name)
         self.stats.add(entry.counts, "captures")
         self._check_global_state(before)

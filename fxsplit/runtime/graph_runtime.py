@@ -202,22 +202,28 @@ class GraphRuntime:
         return pieces
 
     def _lend_to(self, module, nodes: dict, producer: dict, captured: list) -> None:
-        """Hand eager piece ``module`` the captured outputs it reads as loans
+        """Hand eager piece ``module`` the captured outputs it reads as loans, and what other
+        borrowers made of theirs (views of loans) over their loans too
         (:mod:`fxsplit.runtime.lending`)."""
         by_name = {piece.name: piece for piece in captured}
-        positions = []
+        stitched = self._stitched.__dict__
+        positions, views = [], []
         lent: dict[str, set[int]] = {}
         for i, name in enumerate(module.input_names):
-            piece = by_name.get(producer.get(nodes[name]))
+            made_by = producer.get(nodes[name])
+            piece = by_name.get(made_by)
             if piece is not None:
                 positions.append(i)
                 lent.setdefault(piece.name, set()).add(piece.output_names.index(name))
-        if not positions:
+            elif isinstance(stitched.get(made_by), Borrower):
+                views.append(i)
+        if not positions and not views:
             return
         for name, outputs in lent.items():
             piece = by_name[name]
             piece.lent = tuple(sorted({*piece.lent, *outputs}))
-        borrower = Borrower(module, tuple(positions), self.pool.ledger.loans)
+        loans = self.pool.ledger.loans
+        borrower = Borrower(module, tuple(positions), tuple(views), loans)
         object.__setattr__(self._stitched, module.name, borrower)
 
     def __call__(self, *args):

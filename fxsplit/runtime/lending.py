@@ -34,7 +34,6 @@ from fxsplit.runtime.storage import may_move, move_out, storage_ptr, view_over
 __all__ = ["Borrower", "Loans"]
 
 _POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
-UNMOVED, NATIVE = "unmoved", "native"  # why a kept loan is warned about (Loans.settle)
 _USE_COUNT = torch._C._storage_Use_Count  # tensors (and storage objects) over one storage
 
 
@@ -53,22 +52,13 @@ class _Loan:
     cdata: int = 0
     ref: StorageWeakRef | None = None  # to the loan's storage
     base: int = 0
-    native: int = 0  # what C++ holds of the views when nothing but fxsplit does
 
 
 def _uses(loan: _Loan) -> int:
-    """Every reference to the loan's views and storage: a kept tensor (the view itself, or any
-    view of it, held by Python or C++ code), or its storage object (``t.untyped_storage()``
-    returns the loan's one Python storage object), raises one of them."""
-    n = _USE_COUNT(loan.cdata) + sys.getrefcount(loan.storage)
-    for view in loan.views:
-        n += sys.getrefcount(view) + view._use_count()
-    return n
-
-
-def _native(loan: _Loan) -> int:
-    """What C++ code holds of the loan's views (a DLPack capsule holds one)."""
-    return sum(view._use_count() for view in loan.views)
+    """Every reference to the loan's storage: each tensor over it (what an eager piece was
+    handed, any view of that, held by Python or C++ code) holds it once, and its one Python
+    storage object (``t.untyped_storage()`` returns it) counts what holds that."""
+    return _USE_COUNT(loan.cdata) + sys.getrefcount(loan.storage)
 
 
 class Loans:
@@ -114,28 +104,26 @@ class Loans:
             {id(s): (s, v, loan.cdata) for s, v in zip(loan.sources, loan.views, strict=True)}
         )
         loan.base = _uses(loan)
-        loan.native = _native(loan)
 
     def live_refs(self) -> list[StorageWeakRef]:
         """Weak references to every loan's storage: what an eager op kept of the pool's memory
         keeps it alive when the pool goes (:meth:`EmulatedPool.outlive`)."""
         return [loan.ref for loan in self._loans]
 
-    def settle(self) -> list[tuple[str, str, str]]:
+    def settle(self) -> list[tuple[str, str]]:
         """A step begins: every loan an eager op kept moves to memory of its own (or is
-        invalidated where this torch cannot move it). Returns ``(graph, piece, why)`` of each
-        kept loan to warn about: ``UNMOVED`` where neither is possible (the next replay
-        overwrites it), ``NATIVE`` where C++ code holds it (a DLPack capsule keeps the old
-        address, which the next replay overwrites; the move cannot reach it)."""
-        warn = []
+        invalidated where this torch cannot move it). Returns ``(graph, piece)`` of each kept
+        loan where neither is possible (warned about: the next replay overwrites it)."""
+        unsafe = []
         for loan in self._loans:
-            if _uses(loan) == loan.base:
-                continue
-            if _native(loan) != loan.native:
-                warn.append((loan.graph_id, loan.piece, NATIVE))
-            if not self._give_up(loan):
-                warn.append((loan.graph_id, loan.piece, UNMOVED))
-        return warn
+            if _uses(loan) != loan.base and not self._give_up(loan):
+                unsafe.append((loan.graph_id, loan.piece))
+        return unsafe
+
+    def at(self, value: torch.Tensor) -> _Loan | None:
+        """The loan over the memory ``value`` lies in (a view of a lent output that no loan
+        view was made for), else None."""
+        return self._at.get(storage_ptr(value)) if self._at else None
 
     def before_copy(self, ptr: int) -> None:
         """A copy outside any replay is about to write the memory at ``ptr``: loans over it
@@ -201,20 +189,26 @@ def _kept_message(loan: _Loan) -> str:
 
 class Borrower:
     """An eager piece called with loans in place of the pool tensors it reads (see the module
-    docstring); what it returns over a loan's memory goes on as the pool's tensor, so later
-    pieces and the caller never see a loan.
+    docstring): each call gets fresh tensors over the loans' storages (``detach``: an in-place
+    change of their sizes, or a cache keyed on them, never outlives the call, as with eager's
+    new tensor each step). What it returns that is a loan it was handed goes on as the pool's
+    own tensor, so later captured pieces read it where it lies.
 
     Args:
         piece: the eager :class:`~fxsplit.passes.materialise.PieceModule`.
         positions: indices of its inputs that captured pieces produce.
+        views: indices of its inputs that other borrowers produce (views of their loans,
+            found by address).
         loans: the pool's :class:`Loans`.
     """
 
-    __slots__ = ("lent", "piece", "positions")
+    __slots__ = ("lent", "loans", "piece", "positions", "views")
 
-    def __init__(self, piece: torch.nn.Module, positions: tuple[int, ...], loans: Loans):
+    def __init__(self, piece, positions: tuple[int, ...], views: tuple[int, ...], loans: Loans):
         self.piece = piece
         self.positions = positions
+        self.views = views
+        self.loans = loans
         self.lent = loans.lent
 
     def __call__(self, *args):
@@ -222,32 +216,30 @@ class Borrower:
         lent = self.lent
         if not lent:
             return self.piece.forward(*args)
-        borrowed = None
+        handed = None
         for i in self.positions:
             hit = lent.get(id(args[i]))
             if hit is not None and hit[0] is args[i]:
-                if borrowed is None:
-                    borrowed, args = {}, list(args)
-                borrowed[hit[2]] = hit[0]
-                args[i] = hit[1]
+                if handed is None:
+                    handed, args = {}, list(args)
+                args[i] = view = hit[1].detach()
+                handed[id(view)] = hit[0]
+        for i in self.views:
+            value = args[i]
+            loan = self.loans.at(value) if isinstance(value, torch.Tensor) else None
+            if loan is not None:
+                if handed is None:
+                    handed, args = {}, list(args)
+                args[i] = view_over(loan.storage, value)
         out = self.piece.forward(*args)
-        if borrowed is None:
+        if handed is None:
             return out
-        return _returned(out, borrowed)
+        return _returned(out, handed)
 
 
-def _returned(out, borrowed: dict):
-    """``out`` with each tensor over a loan's storage rebuilt over the pool tensor's."""
-    single = not isinstance(out, tuple)
-    values = (out,) if single else out
-    result = None
-    for j, value in enumerate(values):
-        if isinstance(value, torch.Tensor) and value.layout == torch.strided:
-            source = borrowed.get(value.untyped_storage()._cdata)
-            if source is not None:
-                if result is None:
-                    result = list(values)
-                result[j] = view_over(source.untyped_storage(), value)
-    if result is None:
-        return out
-    return result[0] if single else tuple(result)
+def _returned(out, handed: dict):
+    """``out`` with each loan view the piece was handed (``handed``: ``id`` -> the pool
+    tensor it stands for) back as that pool tensor."""
+    if isinstance(out, tuple):
+        return tuple(handed.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in out)
+    return handed.get(id(out), out) if isinstance(out, torch.Tensor) else out

@@ -13,7 +13,6 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxsplit.runtime.lending import NATIVE
 from fxsplit.runtime.pool import MemoryPool
 from fxsplit.runtime.storage import is_strided, storage_ptr
 from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
@@ -62,7 +61,7 @@ class CaptureSession:
         self._swept: dict[int, int] = {}  # graph -> its origins' count after the last sweep
         self._taken: dict[int, StorageWeakRef] = {}  # private copies of a call under way
         self._warned_held = False
-        self._warned_kept: set[tuple[str, str, str]] = set()
+        self._warned_kept: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # held by the thread inside a call (own / disown)
         self._owner: int | None = None
         self._owned = 0
@@ -128,24 +127,18 @@ class CaptureSession:
                 FxsplitRuntimeWarning,
             )
 
-    def warn_kept(self, graph_id: str, piece: str, why: str) -> None:
+    def warn_kept(self, graph_id: str, piece: str) -> None:
         """Warn once per piece that an output lent to eager code is still referenced after its
-        call (:meth:`~fxsplit.runtime.lending.Loans.settle`): held by C++ code (``NATIVE``),
-        or where this torch cannot move it out of the pool (``UNMOVED``)."""
-        if (graph_id, piece, why) in self._warned_kept:
+        call, where this torch can neither move nor invalidate it
+        (:meth:`~fxsplit.runtime.lending.Loans.settle`)."""
+        if (graph_id, piece) in self._warned_kept:
             return
-        self._warned_kept.add((graph_id, piece, why))
-        what = (
-            "C++ code or a DLPack capsule holds it: fxsplit moved the tensor to memory of its "
-            "own, but a consumer that kept its address reads the pool's memory, which the next "
-            "replay overwrites"
-            if why == NATIVE
-            else "this torch cannot move it out of the pool: the next replay overwrites it"
-        )
+        self._warned_kept.add((graph_id, piece))
         warn_at_caller(
             f"fxsplit {graph_id}: an output of captured {piece} is still referenced after the "
-            f"call that handed it to eager code (an op, a custom op or a hook kept it), and "
-            f"{what}. Clone it where it is kept (t.clone())",
+            "call that handed it to eager code (an op, a custom op or a hook kept it), and "
+            "this torch cannot move it out of the pool: the next replay overwrites it. Clone "
+            "it where it is kept (t.clone())",
             FxsplitRuntimeWarning,
         )
 
