@@ -5,14 +5,16 @@ A captured piece's output that an eager piece reads (the hidden state an attenti
 drafter's custom op is handed) lives in the pool, and the piece's next replay writes it again.
 An op may keep what it was handed past the call (EAGLE/MTP-style reuse of the hidden state, a
 hook that stores its argument); in eager it would keep that step's values. So an eager piece is
-handed such an output as a *loan*: a view over a storage object of its own (one ``StorageImpl``
-per pool storage, made once per capture) over the pool's memory, never the pool's own tensor.
-At the start of each step, before any replay can write the pool, a loan over which any tensor
-beyond fxsplit's own views still exists was kept: its storage moves to memory of its own with
-that step's values (``UntypedStorage._swap_data_ptr_``), so whatever kept it reads what eager's
-would, and the piece's later loans get a fresh storage. Nothing is counted per call: a loan is
-found kept from its storage's and views' use counts, which only tensors over it raise, and a
-false alarm (a traceback holding a frame) costs one copy, never a wrong number.
+handed such an output as a *loan*: a fresh tensor, each call, over a storage object of its own
+(one ``StorageImpl`` per pool storage, made once per capture) over the pool's memory, never the
+pool's own tensor. At the start of each step, before any replay can write the pool, a loan over
+which any tensor beyond fxsplit's own views still exists, or whose storage object something
+holds, was kept: its storage moves to memory of its own with that step's values
+(``UntypedStorage._swap_data_ptr_``), so whatever kept it reads what eager's would, and the
+piece's later loans get a fresh storage. Nothing is counted per call: a loan is found kept from
+its storage's use count and its storage object's references, and a false alarm (a traceback
+holding a frame) costs one copy, never a wrong number. A NumPy array or DLPack capsule made from
+a loan keeps the old address, which no move reaches (documented, not detected).
 
 Where this torch cannot move a storage (2.11), a kept loan is invalidated as CUDA invalidates a
 handed-out output (a read raises) where the hook for that exists, else warned about.
@@ -78,9 +80,9 @@ class Loans:
         self.moved = 0
 
     def lend(self, outputs, order: int, graph_id: str, piece: str) -> None:
-        """Lend ``outputs`` (pool tensors of ``graph_id``'s ``piece``, of capture order
-        ``order``, that eager pieces read) from now on; tensors over one pool storage share one
-        loan, as they share memory."""
+        """Lend ``outputs`` (tensors in the pool, ``graph_id``'s ``piece``'s own or views of an
+        earlier piece's, of capture order ``order``, that eager pieces read) from now on;
+        tensors over one pool storage share one loan, as they share memory."""
         groups: dict[int, list[torch.Tensor]] = {}
         for out in outputs:
             groups.setdefault(storage_ptr(out), []).append(out)
