@@ -763,8 +763,10 @@ def _schedule(case: Case) -> list[int]:
         runs += 1
     if case.feedback:
         # the first call of a size reads a fresh tensor, the rest the fed-back output, whose
-        # layout may differ: Dynamo guards on strides, so that can be a graph of its own
-        runs += 1
+        # layout may differ: Dynamo guards on strides, so that can be a graph of its own; a
+        # fed-back transposed view alternates between two layouts call after call, so each of
+        # two graphs needs the calls of one
+        runs = 2 * runs + 1
     schedule = [b1] * runs + [b2] * runs + [b1]
     if case.reloads:
         # moved weights or state drop the captured graphs (rebound ones, once they hold still,
@@ -1588,5 +1590,104 @@ def test_regression_weights_reloaded_twice_under_capture_sizes_still_replay():
             late=(1,),
             reloads=((7, "assign_twice"),),
             options={"clone_outputs": False, "on_capture_error": "raise", "capture_sizes": (2,)},
+        )
+    )
+
+
+def test_regression_a_fed_back_transposed_view_still_replays():
+    """Found by the long profile: a harness bug, not fxsplit's. The fed-back output is a
+    transposed view, so the model's input alternates between two layouts call after call and
+    Dynamo compiles a graph for each; the schedule gave each graph too few calls to replay (the
+    numbers were eager's). Feedback now doubles the calls per size."""
+    run_case(
+        Case(
+            program=(
+                (
+                    "region",
+                    "attn_prep",
+                    (("unary", "relu", 0), ("store", "dict", 0), ("size_save", 0)),
+                ),
+                ("view", "tt", 0),
+                ("store", "dict", 0),
+                ("size_use", "reshape", 9, 0),
+            ),
+            outputs=(-2, 4),
+            host_outputs=False,
+            runner="v1",
+            capture="emulate",
+            dynamic=True,
+            outer_grad=True,
+            splitting_ops=(
+                "aten::topk",
+                "fxsplit_prop::two",
+                "aten::mm",
+                "aten::sin",
+                "aten::split",
+                "fxsplit_prop::scale_",
+            ),
+            eager_modules=(),
+            sizes=(4, 5),
+            ints=(0, 0),
+            feedback=True,
+            binding=None,
+            warmup_runs=0,
+            verify=False,
+            seed=0,
+            keep=False,
+            late=(1,),
+            refuse_once=False,
+            reloads=(),
+            loaded=False,
+            options={},
+        )
+    )
+
+
+def test_regression_a_returned_view_of_a_kept_loan_beside_its_pool_tensor_is_handed_out():
+    """Found by the long profile: a graph returned a captured output and a view an eager piece
+    made of its loan, which an op kept. Moving the kept loan out of the pool moved that view
+    too, and handing out the outputs then looked its new address up among the pool's (a
+    KeyError where eager works). Addresses are now read before anything moves."""
+    run_case(
+        Case(
+            program=(
+                ("module", 0, 0),
+                ("region", "attn_prep", (("alias", "expand_as", 0), ("size_save", 0))),
+                ("write_view", "T", "copy_", 14, 0),
+                ("custom2", 0),
+                ("meta", "t_", 0),
+                (
+                    "region",
+                    "attn_prep",
+                    (
+                        ("region", "attn_prep", (("alias", "expand_as", 13), ("unary", "relu", 0))),
+                        ("unary", "relu", 0),
+                    ),
+                ),
+                ("graph_break",),
+                ("region", "attn_prep", (("region", "attn_prep", (("intarg", 14),)),)),
+                ("size_use", "reshape", 14, 0),
+            ),
+            outputs=(-3, 3, 10),
+            host_outputs=True,
+            runner="all_eager",
+            capture="emulate",
+            dynamic=False,
+            outer_grad=True,
+            splitting_ops=("aten::sin", "fxsplit_prop::two"),
+            eager_modules=("PropMlp",),
+            sizes=(5, 4),
+            ints=(1, 2),
+            feedback=True,
+            binding="copy",
+            warmup_runs=1,
+            verify=False,
+            seed=720,
+            keep=False,
+            late=(1, 1),
+            refuse_once=False,
+            reloads=(),
+            loaded=False,
+            options={"clone_outputs": False, "max_captured_keys": 2, "capture_sizes": (5, 4)},
         )
     )

@@ -75,15 +75,16 @@ def hand_out(out: tuple, pool, graph_id: str, clone: bool) -> tuple:
     """The outputs in the pool's memory as fresh tensors the ledger follows, or clones with
     ``clone_outputs`` (keeping eager's aliasing between them)."""
     owners, ledger = pool.owners, pool.ledger
-    mine = [
-        j
+    # addresses read before anything moves: a loan moved below takes every tensor over it along
+    ptrs = {
+        j: storage_ptr(o)
         for j, o in enumerate(out)
         if isinstance(o, torch.Tensor)
-        and storage_ptr(o) in owners
         # a view of an input that is itself an output handed out earlier in this step is
         # returned as that view: one memory, one hand-out
         and ledger.handed_out(o) is None
-    ]
+    }
+    mine = [j for j, ptr in ptrs.items() if ptr in owners]
     if not mine:
         return out
     result = list(out)
@@ -91,12 +92,12 @@ def hand_out(out: tuple, pool, graph_id: str, clone: bool) -> tuple:
     loans, kept = pool.ledger.loans, {}
     if loans.lent:
         for j in mine:
-            ptr = storage_ptr(out[j])
+            ptr = ptrs[j]
             if ptr not in kept:
                 kept[ptr] = loans.kept_storage(ptr)
             if kept[ptr] is not None:
                 result[j] = view_over(kept[ptr], out[j])
-        mine = [j for j in mine if kept[storage_ptr(out[j])] is None]
+        mine = [j for j in mine if kept[ptrs[j]] is None]
     if clone or not pool.ledger.can_invalidate:
         for j, copy in zip(mine, clone_sharing([out[j] for j in mine]), strict=True):
             result[j] = copy
@@ -104,7 +105,5 @@ def hand_out(out: tuple, pool, graph_id: str, clone: bool) -> tuple:
     storages: dict[int, torch.UntypedStorage] = {}
     step = pool.step
     for j in mine:
-        o = out[j]
-        order = owners[storage_ptr(o)]
-        result[j] = ledger.hand_out(o, storages, order, step, graph_id, j)
+        result[j] = ledger.hand_out(out[j], storages, owners[ptrs[j]], step, graph_id, j)
     return tuple(result)
