@@ -1691,3 +1691,84 @@ def test_regression_a_returned_view_of_a_kept_loan_beside_its_pool_tensor_is_han
             options={"clone_outputs": False, "max_captured_keys": 2, "capture_sizes": (5, 4)},
         )
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: found by the long profile (seed 305) once feedback doubled the calls per size; "
+    "the code of this session's start fails the same way",
+)
+def test_regression_a_caller_tensor_of_an_earlier_step_stays_as_it_was():
+    """Found by the long profile: at step 13 of 15, a tensor the caller handed in at an earlier
+    step (and never since) has changed. It needs the fed-back output (without feedback it
+    passes); it fails with or without ``clone_outputs``."""
+    run_case(
+        Case(
+            program=(
+                (
+                    "region",
+                    "prop_local",
+                    (
+                        ("region", "attn_prep", (("mm_self", 15, 0), ("size_use", "expand", 7, 1))),
+                        (
+                            "region",
+                            "attn_prep",
+                            (
+                                ("write_view", "select", "custom_packet", 12, 6),
+                                ("size_save", 8),
+                                ("write_view", "as_strided", "index_put_", 0, 0),
+                            ),
+                        ),
+                        ("size_save", 7),
+                    ),
+                ),
+                ("meta", "t_", 11),
+                (
+                    "region",
+                    "attn_prep",
+                    (
+                        ("symint", 0),
+                        ("region", "attn_prep", (("mm_self", 0, 10),)),
+                        ("unary", "relu", 0),
+                    ),
+                ),
+                ("const", 11),
+                ("unary", "relu", 0),
+                ("graph_break",),
+                ("size_use", "new_ones", 4, 0),
+            ),
+            outputs=(6, 7, 10),
+            host_outputs=True,
+            runner="v2",
+            capture="emulate",
+            dynamic=False,
+            outer_grad=True,
+            splitting_ops=(
+                "aten::topk",
+                "aten::mm",
+                "aten::split",
+                "aten::sin",
+                "fxsplit_prop::two",
+                "fxsplit_prop::scale_",
+            ),
+            eager_modules=(),
+            sizes=(4, 6),
+            ints=(3, 2),
+            feedback=True,
+            binding="copy",
+            warmup_runs=1,
+            verify=False,
+            seed=29,
+            keep=False,
+            late=(0, 0),
+            refuse_once=False,
+            reloads=(),
+            loaded=False,
+            options={
+                "on_capture_error": "fallback",
+                "max_captured_keys": 1,
+                "capture_sizes": (4, 6),
+                "clone_outputs": True,
+            },
+        )
+    )
