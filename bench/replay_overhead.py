@@ -121,8 +121,8 @@ def main() -> None:
         for name, borrower in borrowers.items():
             piece_inputs = eager_inputs[name]
             noop = _NoOp()
-            plain = Borrower(noop, (), loans)  # the call, no loans
-            lent_call = Borrower(noop, borrower.positions, loans)
+            plain = Borrower(noop, (), (), loans)  # the call, no loans
+            lent_call = Borrower(noop, borrower.positions, (), loans)
             lending.append(
                 (
                     name,
