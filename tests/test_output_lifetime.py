@@ -60,6 +60,12 @@ def _ledger(backend):
     return pool.ledger
 
 
+def _assert_steps_equal(got, want) -> None:
+    """Each step's compiled value equals eager's, bit for bit."""
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), (step, (g - w).abs().max().item())
+
+
 def test_steady_loop_rebinding_its_output_is_right_and_warns_nothing():
     """``out = model(x)`` every step: the previous output is still bound during the call, then
     dropped; nothing warns, every output is eager's, and pieces replay."""
@@ -428,8 +434,7 @@ def test_a_captured_output_kept_by_an_eager_ops_kernel_keeps_its_values(clone_ou
             model(_x(step))
     got, STASHED[:] = list(STASHED), []
     assert counters.snapshot()["replays"] >= 2 * 4
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), step
+    _assert_steps_equal(got, want)
     assert _ledger(backend).loans.moved == 4  # each kept loan moved once, before the replay
 
 
@@ -477,8 +482,7 @@ def test_a_hidden_state_an_eager_op_keeps_for_the_next_step_is_that_steps():
             got = [model(_x(step)).clone() for step in range(6)]
         _PREVIOUS.clear()
     assert counters.snapshot()["replays"] >= 2 * 4
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), (step, (g - w).abs().max().item())
+    _assert_steps_equal(got, want)
 
 
 def test_an_eager_op_that_keeps_nothing_is_never_warned_about():
@@ -575,8 +579,7 @@ def test_an_output_handed_back_in_and_kept_by_an_eager_op_keeps_its_values():
             x = model(x)
     got, STASHED[:] = list(STASHED), []
     assert counters.snapshot()["replays"] > 0
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), (step, (g - w).abs().max().item())
+    _assert_steps_equal(got, want)
 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
@@ -834,8 +837,7 @@ def test_a_fed_back_output_an_op_kept_sees_the_models_write_to_it():
         )
         got = run(model)
     assert counters.snapshot()["replays"] > 0
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), (step, (g - w).abs().max().item())
+    _assert_steps_equal(got, want)
 
 
 @torch.library.custom_op("fxsplit_lifetime::cosine", mutates_args=())
@@ -890,8 +892,7 @@ def test_a_view_of_a_lent_output_made_by_another_piece_is_lent_too(via):
             model(_x(step))
         got, STASHED[:] = list(STASHED), []
     assert counters.snapshot()["replays"] > 0
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), (step, (g - w).abs().max().item())
+    _assert_steps_equal(got, want)
 
 
 class _TransposesInPlace(nn.Module):
@@ -950,5 +951,4 @@ def test_what_an_eager_piece_is_handed_is_a_new_tensor_each_call(make, ops):
         model, _ = _compile(make(), splitting_ops=ops, warmup_runs=0)
         got = [model(_x(step, rows)[:, : eager.a.in_features]).clone() for step in range(6)]
     assert counters.snapshot()["replays"] > 0
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(g, w), (step, (g - w).abs().max().item())
+    _assert_steps_equal(got, want)
