@@ -116,12 +116,14 @@ class Backend:
             )
         config = Config.from_options(options, base=self.config) if options else self.config
         frame = read_frame(gm)
+        # Dynamo's setting while it traces this graph: off under torch.compile(dynamic=True)
+        dynamic = not torch._dynamo.config.assume_static_by_default
         if not precompile.active():
-            return self.build(gm, example_inputs, config, frame)
+            return self.build(gm, example_inputs, config, frame, dynamic=dynamic)
         precompile.restore_graphargs(gm, example_inputs)
         cuda = _cuda_device(example_inputs) is not None
-        state = precompile.capture(gm, config, frame, cuda)  # before the split edits the graph
-        compiled = self.build(gm, example_inputs, config, frame)
+        state = precompile.capture(gm, config, frame, cuda, dynamic)  # before the split edits gm
+        compiled = self.build(gm, example_inputs, config, frame, dynamic=dynamic)
         precompile.add_pieces(state, self.compiled[-1].compiled_pieces)
         return precompile.Precompiled(compiled, state)
 
@@ -132,10 +134,13 @@ class Backend:
         config: Config,
         frame: Frame | None,
         bundle: dict[str, bytes | str] | None = None,
+        *,
+        dynamic: bool,
     ) -> Callable:
         """Split ``gm`` under ``config`` and return the callable that runs it (what
         :meth:`__call__` does once it has the options and the frame; a precompiled graph
-        loads through it, with its ``bundle`` of compiled pieces).
+        loads through it, with its ``bundle`` of compiled pieces). ``dynamic``: ``gm`` was
+        traced under ``torch.compile(dynamic=True)``.
 
         Raises:
             fxsplit.distributed.RankMismatchError: see :meth:`__call__`.
@@ -148,7 +153,7 @@ class Backend:
         cuda = _cuda_device(example_inputs)
         if inductor.resolve(config.compile_pieces, cuda) == "inductor":
             inductor_startup.prepare(cuda)
-        result = _split(gm, policy, config, graph_id, mode, example_inputs, frame)
+        result = _split(gm, policy, config, graph_id, mode, example_inputs, frame, dynamic)
         self._compile_pieces(result, config, example_inputs, frame, bundle)
         self._record(result, policy, config)
         if config.check_ranks:  # before anything can capture
@@ -362,6 +367,7 @@ def _split(
     mode: str,
     example_inputs,
     frame: Frame | None,
+    dynamic: bool,
 ) -> Split:
     """The split of ``gm`` (with the aliasing analysis where anything runs or is dumped)."""
     # The split allocates many small objects while a large graph is alive; cyclic GC passes
@@ -378,6 +384,7 @@ def _split(
             analyse=mode != "off" or bool(config.dump_folder),
             size_input=size_inputs(gm, example_inputs, frame, config),
             model_values=frame is not None and frame.model_values,
+            dynamic=dynamic,
         )
     finally:
         if gc_was_enabled:

@@ -114,8 +114,9 @@ def restore_graphargs(gm: torch.fx.GraphModule, example_inputs) -> None:
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
 
 
-def capture(gm: torch.fx.GraphModule, config, frame, cuda: bool) -> State:
-    """The state of a graph before the split edits it (``cuda``: see :class:`State`).
+def capture(gm: torch.fx.GraphModule, config, frame, cuda: bool, dynamic: bool) -> State:
+    """The state of a graph before the split edits it (``cuda`` and ``dynamic``: see
+    :class:`State`).
 
     Raises:
         PrecompileError: the graph holds something that does not pickle (a local function or
@@ -148,7 +149,6 @@ def capture(gm: torch.fx.GraphModule, config, frame, cuda: bool) -> State:
         for node, meta in kept.items():
             node.meta = meta
     versions = (torch.__version__, __version__)
-    dynamic = not torch._dynamo.config.assume_static_by_default
     return State(
         graph, config, frame, versions=versions, grad=torch.is_grad_enabled(), dynamic=dynamic
     )
@@ -248,12 +248,10 @@ class Precompiled(SerializableCallable):
             inductor_startup.prepare(None)  # overlaps the unpickling and the split
         gm = GraphPickler.loads(state.graph, FakeTensorMode(shape_env=ShapeEnv()))
         examples = [node.meta["example_value"] for node in gm.graph.find_nodes(op="placeholder")]
-        static = not state.dynamic
-        with (
-            torch.set_grad_enabled(state.grad),
-            torch._dynamo.config.patch(assume_static_by_default=static),
-        ):
-            forward = fxsplit_backend.build(gm, examples, state.config, state.frame, state.pieces)
+        with torch.set_grad_enabled(state.grad):
+            forward = fxsplit_backend.build(
+                gm, examples, state.config, state.frame, state.pieces, dynamic=state.dynamic
+            )
         if state.pieces:
             inductor_startup.warm()  # beside the first call, which runs generated Python
         return cls(forward, state)

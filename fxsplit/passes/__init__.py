@@ -43,6 +43,7 @@ def split(
     analyse: bool = False,
     size_input: int | Sequence[int] | None = None,
     model_values: bool = False,
+    dynamic: bool = False,
 ) -> Split:
     """Split ``gm`` (modified in place by the normalise pass) under ``policy``.
 
@@ -63,6 +64,8 @@ def split(
         model_values: the graph's tensor arguments are the model's own values (a frame Dynamo
             resumed after a graph break, or one called by eager model code): only the size
             input's leading dim is the token count there.
+        dynamic: ``gm`` was traced under ``torch.compile(dynamic=True)``
+            (:func:`fxsplit.passes.step_sizes.find`'s ``every_size``).
 
     Returns:
         a :class:`Split` with the :class:`~fxsplit.plan.SplitPlan`.
@@ -72,7 +75,7 @@ def split(
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     indices = (size_input,) if isinstance(size_input, int) else tuple(size_input or ())
     tokens = [placeholders[i] for i in indices]
-    steps = step_sizes.find(gm.graph, tokens, leading_only=model_values)
+    steps = step_sizes.find(gm.graph, tokens, leading_only=model_values, every_size=dynamic)
     marks = mark.mark(gm.graph, policy, steps.reasons)
     parts = partition.partition(marks)
     done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host)

@@ -82,7 +82,10 @@ class StepSizes:
 
 
 def find(
-    graph: Graph, size_input: Node | Sequence[Node] | None, leading_only: bool = False
+    graph: Graph,
+    size_input: Node | Sequence[Node] | None,
+    leading_only: bool = False,
+    every_size: bool = False,
 ) -> StepSizes:
     """Find the step sizes of ``graph`` and the nodes that depend on them; drops unused host
     values that depend on one (see the module docstring).
@@ -95,6 +98,9 @@ def find(
         leading_only: only the first one's leading dim is (the placeholder is a value the
             model computed, such as hidden states handed to a frame resumed after a graph
             break, whose other dims may be anything, a mask over the KV length among them).
+        every_size: the graph was traced under ``torch.compile(dynamic=True)`` (Dynamo's
+            ``assume_static_by_default`` off): every size is symbolic, and only the carried
+            state's sizes are step sizes.
 
     Returns:
         a :class:`StepSizes`, empty where the graph has no step size.
@@ -110,8 +116,7 @@ def find(
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             tokens |= symbols(value.shape[:1] if leading_only or k else value.shape)
     found.tokens = frozenset(tokens)
-    # Dynamo's setting while it traces this graph: off under torch.compile(dynamic=True)
-    every_size = found.every_size = not torch._dynamo.config.assume_static_by_default
+    found.every_size = every_size
     for symbol, sources in shape_env.var_to_sources.items():
         if sources:
             found.names[symbol] = describe(sources[0].name)
