@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.fx import GraphModule
 
-from fxsplit import cache, capture_off, counters, precompile, trace
+from fxsplit import cache, capture_off, counters, hooks, precompile, trace
 from fxsplit.config import Config
 from fxsplit.config_checks import ConfigChecks, WarnOnSecondCall
 from fxsplit.distributed import check_ranks
@@ -27,7 +27,6 @@ from fxsplit.runtime import replay_watch
 from fxsplit.runtime.graph_runtime import GraphRuntime
 from fxsplit.runtime.session import CaptureSession
 from fxsplit.size_input import size_inputs, traced_size
-from fxsplit.tools import dump
 
 log = logging.getLogger("fxsplit")
 
@@ -59,7 +58,7 @@ class Backend:
         self.plans: list[SplitPlan] = []
         self.compiled: list[Split] = []
         self.runtimes: list[GraphRuntime] = []
-        self._dumps: list[tuple[object, GraphRuntime | None]] = []
+        self._finishers: list[Callable[[], None]] = []  # what graph hooks finish later
         self._session = CaptureSession()
         # Outputs handed out of the pools must not outlive the pools' memory, also when the
         # backend is collected without a reset; not at exit, where nothing reads them again
@@ -159,7 +158,12 @@ class Backend:
         if config.check_ranks:  # before anything can capture
             check_ranks(graph_id, result.plan, result.graph_module, result.compiled_pieces)
         runtime = self._runtime(result, config, mode, device, example_inputs, frame)
-        self._dump(result, config, graph_code, example_inputs, frame, runtime)
+        model = frame.model if frame is not None else None
+        built = hooks.BuiltGraph(result, config, graph_code, example_inputs, model, runtime)
+        finishers = hooks.built(built)
+        if finishers:
+            self._finishers += finishers
+            _BACKENDS_WITH_FINISHERS.add(self)
         compiled = runtime if runtime is not None else result.materialised.stitched.forward
         if self.checks.pending:
             return WarnOnSecondCall(compiled, self.checks.warn)
@@ -226,21 +230,6 @@ class Backend:
         _BACKENDS_WITH_RUNTIMES.add(self)
         return runtime
 
-    def _dump(self, result, config, graph_code, example_inputs, frame, runtime) -> None:
-        """Write the graph's dump folder where ``dump_dir`` is set."""
-        if not config.dump_folder:
-            return
-        folder = dump.write_dump(
-            config.dump_folder,
-            result,
-            graph_code,
-            example_inputs=example_inputs,
-            model=frame.model if frame is not None else None,
-        )
-        self._dumps.append((folder, runtime))
-        _BACKENDS_WITH_DUMPS.add(self)
-        log.info("fxsplit %s: dump in %s", result.plan.graph_id, folder)
-
     @property
     def stats(self) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
         """Run-time figures: ``{graph_id: {piece: {capture key: {counter: value}}}}``.
@@ -304,11 +293,11 @@ class Backend:
             session.disown()
 
     def write_runtime_stats(self) -> None:
-        """Write the run-time figures of every dumped graph into its dump folder (also done at
-        reset and at process exit)."""
-        for folder, runtime in self._dumps:
-            if runtime is not None:
-                dump.write_runtime_stats(folder, runtime.stats())
+        """Write the run-time figures of every dumped graph into its dump folder: run what the
+        graph hooks left to finish (:mod:`fxsplit.hooks`; also done at reset and at process
+        exit)."""
+        for finish in self._finishers:
+            finish()
 
     def log_replays(self) -> None:
         """Log one line per graph whose captured pieces ran: calls, replays (share), captures
@@ -320,7 +309,7 @@ class Backend:
         """Forget every plan, compiled graph and memory pool; safe to call repeatedly."""
         self.write_runtime_stats()
         self.log_replays()
-        self._dumps.clear()
+        self._finishers.clear()
         for runtime in self.runtimes:
             runtime.reset()
         self.runtimes.clear()
@@ -441,13 +430,13 @@ def _capture_mode(capture: str, example_inputs) -> tuple[str, torch.device | Non
     return "off", None
 
 
-_BACKENDS_WITH_DUMPS: weakref.WeakSet[Backend] = weakref.WeakSet()
+_BACKENDS_WITH_FINISHERS: weakref.WeakSet[Backend] = weakref.WeakSet()
 _BACKENDS_WITH_RUNTIMES: weakref.WeakSet[Backend] = weakref.WeakSet()
 
 
 @atexit.register
-def _write_dumps_at_exit() -> None:
-    for backend in list(_BACKENDS_WITH_DUMPS):
+def _finish_at_exit() -> None:
+    for backend in list(_BACKENDS_WITH_FINISHERS):
         try:
             backend.write_runtime_stats()
         except OSError as error:  # a dump folder removed meanwhile must not fail the exit

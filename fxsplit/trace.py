@@ -5,7 +5,7 @@
 the trace files and ``tlparse`` lists them with the compile id of the Dynamo frame they belong to:
 
 - ``fxsplit_plan_<graph_id>`` (encoding ``json``): the plan, as written to ``plan.json`` by
-  :func:`fxsplit.tools.dump.plan_dict`;
+  :func:`fxsplit.plan_json.plan_dict`;
 - ``fxsplit_<graph_id>_<piece>`` (encoding ``string``): each piece's generated source with a
   header naming its kind, regions and reasons;
 - ``fxsplit_<graph_id>_stitched`` (encoding ``string``): the stitched top-level code.
@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from fxsplit.plan_json import compiled_dict, dumps_json, piece_source, plan_dict
 
 __all__ = ["LOGGER_NAME", "emit_plan", "register_log"]
 
@@ -63,8 +65,6 @@ def emit_plan(split) -> None:
 
     Never raises for a missing trace handler: without ``TORCH_TRACE`` nothing is built or written.
     """
-    from fxsplit.tools.dump import compiled_dict, dumps_json, piece_source, plan_dict
-
     trace_structured = torch._logging.trace_structured
     graph_id = split.plan.graph_id
     trace_structured(

@@ -1,5 +1,6 @@
 """The package's layering: the runtime reads facts (``fxsplit/facts/``), never the compile half
-(``fxsplit/passes/``) or the tools."""
+(``fxsplit/passes/``) or the tools; the compile half and the package's other core modules reach
+the tools only through :mod:`fxsplit.hooks`."""
 
 import ast
 import pathlib
@@ -8,6 +9,12 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "fxsplit"
 RUNTIME = sorted((ROOT / "runtime").glob("*.py"))
+# every module but the tools, their command line and the reference models (which the tools run)
+CORE = sorted(
+    p
+    for p in ROOT.rglob("*.py")
+    if p.relative_to(ROOT).parts[0] not in ("tools", "models") and p.name != "__main__.py"
+)
 
 
 def _runtime_imports(path: pathlib.Path) -> list[str]:
@@ -39,6 +46,12 @@ def test_the_runtime_imports_nothing_from_the_passes_or_the_tools(path):
         if name.startswith(("fxsplit.passes", "fxsplit.tools"))
     ]
     assert not bad, f"{path.name} imports {bad}"
+
+
+@pytest.mark.parametrize("path", CORE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_core_modules_reach_the_tools_only_through_hooks(path):
+    bad = [name for name in _runtime_imports(path) if name.startswith("fxsplit.tools")]
+    assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 
 
 def test_a_runtime_module_that_imported_a_pass_would_be_caught(tmp_path):

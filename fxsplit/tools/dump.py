@@ -5,7 +5,7 @@
 ============================  ====================================================================
 ``dynamo_graph.py``           the Dynamo graph's code before the split
 ``plan.txt``                  :meth:`fxsplit.plan.SplitPlan.format`
-``plan.json``                 the plan as data (see :func:`plan_dict`, ``schema_version``)
+``plan.json``                 the plan as data (:func:`fxsplit.plan_json.plan_dict`)
 ``piece_<i>.py``              each piece's generated code, with a header: kind, regions, reasons
 ``stitched.py``               the stitched top-level module's code
 ``split.dot``                 Graphviz source of the picture (always)
@@ -15,7 +15,7 @@
 ``report.html``               self-contained report (:mod:`fxsplit.tools.report`)
 ``runtime.json``              run-time figures, once :func:`write_runtime_stats` is called
 ``compiled.json``             with Inductor pieces: per distinct piece, who shares it, compile
-                              time, cache hit or miss (:func:`compiled_dict`)
+                              time, cache hit or miss (:func:`~fxsplit.plan_json.compiled_dict`)
 ``inductor_<piece>.py``       Inductor's output code of each piece compiled in this process
 ============================  ====================================================================
 
@@ -29,37 +29,37 @@ same root) is skipped, never overwritten.
 from __future__ import annotations
 
 import itertools
-import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from fxsplit.plan import Piece, SplitPlan
+from fxsplit import hooks
+from fxsplit.plan import SplitPlan
+from fxsplit.plan_json import (
+    SCHEMA_VERSION,
+    compiled_dict,
+    dumps_json,
+    piece_source,
+    plan_dict,
+)
 
 __all__ = [
     "DOT_TIMEOUT_S",
     "KIND_COLOURS",
     "RUNTIME_COUNTERS",
-    "SCHEMA_VERSION",
-    "dumps_json",
-    "piece_source",
-    "plan_dict",
     "plan_table",
     "split_graph",
     "titled",
-    "value_info",
     "write_dump",
     "write_runtime_stats",
 ]
-
-SCHEMA_VERSION = 1
-"""Version of ``plan.json``'s layout; bumped on any change of keys or their meaning."""
 
 KIND_COLOURS = {"captured": "#cfe3ff", "eager": "#ffd9b3"}
 """Fill colour per piece kind, shared by the picture and the HTML report."""
@@ -84,6 +84,8 @@ split.svg and split.dot were not written: {why}
 Everything else in this folder was. Install the package and rerun to get the picture.
 """
 
+log = logging.getLogger("fxsplit")
+
 _counter = itertools.count()
 _counter_lock = threading.Lock()
 
@@ -105,150 +107,9 @@ def _new_folder(root: Path, label: str) -> Path:
         return folder
 
 
-def _dims(shape: Iterable[object]) -> list[int | str]:
-    return [d if isinstance(d, int) else str(d) for d in shape]
-
-
-def value_info(name: str, value: object) -> dict:
-    """Describe one value a piece reads or returns.
-
-    Returns:
-        ``{"name", "type"}``, plus ``"shape"`` (ints, or strings for symbolic sizes such as
-        ``"s72"``), ``"dtype"`` and ``"device"`` for a tensor, ``"value"`` (as a string) for a
-        SymInt / SymFloat / SymBool / int / float / bool, ``"length"`` for a tuple or list.
-        ``"type"`` is ``"unknown"`` where the graph recorded no example value.
-    """
-    info: dict = {"name": name}
-    if value is None:
-        info["type"] = "unknown"
-    elif isinstance(value, torch.Tensor):
-        info["type"] = "Tensor"
-        info["shape"] = _dims(value.shape)
-        info["dtype"] = str(value.dtype)
-        info["device"] = str(value.device)
-    elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
-        info["type"] = type(value).__name__
-        info["value"] = str(value)
-    elif isinstance(value, (tuple, list)):
-        info["type"] = type(value).__name__
-        info["length"] = len(value)
-    else:
-        info["type"] = type(value).__name__
-    return info
-
-
-def _values_by_name(split) -> dict[str, object]:
-    """Example value of every named value in the split graph (placeholders, get_attr, nodes)."""
-    stitched = split.materialised.stitched
-    values: dict[str, object] = {}
-    for node in stitched.graph.nodes:
-        if node.op == "placeholder":
-            values[node.name] = node.meta.get("example_value")
-        elif node.op == "get_attr":
-            value = node.meta.get("example_value")
-            if value is None:
-                value = stitched
-                for atom in str(node.target).split("."):
-                    value = getattr(value, atom, None)
-            values[node.name] = value
-    for node in (*split.marks.host, *split.marks.nodes):
-        values[node.name] = node.meta.get("example_value")
-    return values
-
-
-def _example_inputs(example_inputs) -> list[dict] | None:
-    if example_inputs is None:
-        return None
-    return [value_info(str(i), v) for i, v in enumerate(example_inputs)]
-
-
-def plan_dict(split, *, example_inputs=None) -> dict:
-    """The plan of ``split`` as JSON-ready data (the content of ``plan.json``).
-
-    Args:
-        split: a :class:`fxsplit.passes.Split`.
-        example_inputs: the graph's example inputs as Dynamo passed them to the backend; described
-            (:func:`value_info`) under ``"example_inputs"`` when given, else that key is None.
-
-    Returns:
-        ``schema_version``, ``graph_id``, ``runner``, ``eager_regions`` (sorted), ``num_nodes``,
-        ``num_pieces``, ``num_captured``, ``num_eager``, ``split_ms`` (wall time of the split,
-        milliseconds), ``torch_version``, ``graph_inputs`` (the placeholders), ``example_inputs``
-        and ``pieces``: per piece ``name``, ``kind``, ``regions`` (sorted), ``reasons``,
-        ``num_ops``, ``nodes``, ``inputs`` / ``outputs`` (:func:`value_info` each), ``file``
-        and ``same_code_as`` (the first piece whose code it shares, or None).
-    """
-    plan: SplitPlan = split.plan
-    values = _values_by_name(split)
-    placeholders = [
-        n.name for n in split.materialised.stitched.graph.nodes if n.op == "placeholder"
-    ]
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "graph_id": plan.graph_id,
-        "runner": plan.runner,
-        "eager_regions": sorted(plan.eager_regions),
-        "num_nodes": plan.num_nodes,
-        "num_pieces": len(plan.pieces),
-        "num_captured": len(plan.captured),
-        "num_eager": len(plan.eager),
-        "split_ms": round(plan.split_seconds * 1e3, 3),
-        "torch_version": str(torch.__version__),
-        "graph_inputs": [value_info(n, values.get(n)) for n in placeholders],
-        "example_inputs": _example_inputs(example_inputs),
-        "pieces": [
-            {
-                "name": p.name,
-                "kind": p.kind,
-                "regions": sorted(p.regions),
-                "reasons": list(p.reasons),
-                "num_ops": p.num_ops,
-                "nodes": list(p.nodes),
-                "inputs": [value_info(n, values.get(n)) for n in p.inputs],
-                "outputs": [value_info(n, values.get(n)) for n in p.outputs],
-                "file": f"{p.name}.py",
-                "same_code_as": p.same_as,
-            }
-            for p in plan.pieces
-        ],
-    }
-
-
-def compiled_dict(records) -> list[dict]:
-    """The Inductor pass's records (:class:`fxsplit.passes.inductor.CompiledPiece`) as JSON-ready
-    data (the content of ``compiled.json``): per distinct captured piece, the ``pieces`` sharing
-    it, ``outcome`` (compiled / disk / memory / bundle / pending / eager), ``seconds``, ``reason``,
-    ``key`` and ``code_file`` (Inductor's output code, where this process generated it)."""
-    return [
-        {
-            "pieces": list(r.pieces),
-            "outcome": r.outcome,
-            "seconds": round(r.seconds, 3),
-            "reason": r.reason,
-            "key": r.key,
-            "code_file": f"inductor_{r.pieces[0]}.py" if r.output_code else None,
-        }
-        for r in records
-    ]
-
-
 def sharing_lines(plan: SplitPlan) -> list[str]:
     """``"same code: piece_1 = piece_3 = piece_5"`` per group of pieces sharing code."""
     return [f"same code: {' = '.join(names)}" for names in plan.sharing().values()]
-
-
-def piece_source(piece: Piece, code: str) -> str:
-    """``code`` of ``piece`` with a comment header: kind, ops, regions, reasons, inputs, outputs."""
-    header = [
-        f"# {piece.name}: {piece.kind}, {piece.num_ops} ops",
-        f"# regions: {', '.join(sorted(piece.regions)) or '-'}",
-        f"# reasons: {', '.join(piece.reasons) or '-'}",
-        f"# inputs: {', '.join(piece.inputs) or '-'}",
-        f"# outputs: {', '.join(piece.outputs) or '-'}",
-    ]
-    if piece.same_as:
-        header.append(f"# runs the code of {piece.same_as} (same structure, other inputs)")
-    return "\n".join(header) + "\n\n" + code.strip("\n") + "\n"
 
 
 def _label_list(names: list[str], limit: int = 6) -> str:
@@ -442,15 +303,6 @@ def write_dump(
     return folder
 
 
-_SCALAR_LIST = re.compile(r"\[\n\s*([^\[\]{}]*?)\n\s*\]")
-
-
-def dumps_json(data: object) -> str:
-    """``data`` as indented JSON text with each list of scalars (shapes, names) on one line."""
-    text = json.dumps(data, indent=1)
-    return _SCALAR_LIST.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text) + "\n"
-
-
 def _writer(folder: Path):
     def write(name: str, text: str) -> None:
         (folder / name).write_text(text, encoding="utf-8")
@@ -535,3 +387,25 @@ def plan_table(plan: SplitPlan, title: str | None = None):
         style = "dark_orange" if kind == "eager" else None
         table.add_row(piece, kind, ops, regions, reasons, style=style)
     return titled(title or graph_title(plan), table)
+
+
+def _graph_hook(graph: hooks.BuiltGraph):
+    """The dump folder of ``graph`` where its config names a dump root; the finisher writes its
+    run-time figures there (:mod:`fxsplit.hooks`)."""
+    if not graph.config.dump_folder:
+        return None
+    folder = write_dump(
+        graph.config.dump_folder,
+        graph.split,
+        graph.graph_code,
+        example_inputs=graph.example_inputs,
+        model=graph.model,
+    )
+    log.info("fxsplit %s: dump in %s", graph.split.plan.graph_id, folder)
+    runtime = graph.runtime
+    if runtime is None:
+        return None
+    return lambda: write_runtime_stats(folder, runtime.stats())
+
+
+hooks.register(_graph_hook)
