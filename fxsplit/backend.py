@@ -164,7 +164,7 @@ class Backend:
         if finishers:
             self._finishers += finishers
             _BACKENDS_WITH_FINISHERS.add(self)
-        compiled = runtime if runtime is not None else result.materialised.stitched.forward
+        compiled = runtime if runtime is not None else result.stitched.forward
         if self.checks.pending:
             return WarnOnSecondCall(compiled, self.checks.warn)
         return compiled

@@ -60,7 +60,7 @@ def value_info(name: str, value: object) -> dict:
 
 def _values_by_name(split) -> dict[str, object]:
     """Example value of every named value in the split graph (placeholders, get_attr, nodes)."""
-    stitched = split.materialised.stitched
+    stitched = split.stitched
     values: dict[str, object] = {}
     for node in stitched.graph.nodes:
         if node.op == "placeholder":
@@ -101,9 +101,7 @@ def plan_dict(split, *, example_inputs=None) -> dict:
     """
     plan: SplitPlan = split.plan
     values = _values_by_name(split)
-    placeholders = [
-        n.name for n in split.materialised.stitched.graph.nodes if n.op == "placeholder"
-    ]
+    placeholders = [n.name for n in split.stitched.graph.nodes if n.op == "placeholder"]
     return {
         "schema_version": SCHEMA_VERSION,
         "graph_id": plan.graph_id,

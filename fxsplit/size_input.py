@@ -93,7 +93,7 @@ def traced_size(result: Split, example_inputs, frame: Frame | None, config: Conf
     the Inductor pass."""
     if not config.compile_sizes:
         return None, ()
-    placeholders = list(result.materialised.stitched.graph.find_nodes(op="placeholder"))
+    placeholders = list(result.stitched.graph.find_nodes(op="placeholder"))
     params = [i for i, n in enumerate(placeholders) if is_static_input(n)]
     names = frame.arg_names if frame is not None else None
     index = size_input_index(

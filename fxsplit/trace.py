@@ -72,7 +72,8 @@ def emit_plan(split) -> None:
         metadata_fn=lambda: {"name": f"fxsplit_plan_{graph_id}", "encoding": "json"},
         payload_fn=lambda: dumps_json(plan_dict(split)),
     )
-    for piece, module in zip(split.plan.pieces, split.materialised.pieces, strict=True):
+    for each in split.pieces:
+        piece, module = each.plan, each.module
         trace_structured(
             "artifact",
             metadata_fn=lambda piece=piece: {
@@ -84,7 +85,7 @@ def emit_plan(split) -> None:
     trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": f"fxsplit_{graph_id}_stitched", "encoding": "string"},
-        payload_fn=lambda: split.materialised.stitched.code,
+        payload_fn=lambda: split.stitched.code,
     )
     if split.compiled_pieces is not None:  # Inductor traces each compile's own artifacts
         trace_structured(

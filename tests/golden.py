@@ -23,7 +23,7 @@ def stitched_code(backend: fxsplit.Backend, index: int = 0) -> str:
     Dynamo's names (``l_x_``, ``L_x_``, ``s77``) change between torch versions; piece and value
     names do not.
     """
-    gm = backend.compiled[index].materialised.stitched
+    gm = backend.compiled[index].stitched
     code = gm.code.strip()
     for i, node in enumerate(gm.graph.find_nodes(op="placeholder")):
         code = re.sub(rf"\b{re.escape(str(node.target))}\b", f"IN{i}", code)

@@ -44,7 +44,7 @@ def test_compiled_pieces_equal_eager_and_layers_share_one_compile(cache_root, ca
     assert snapshot["pieces_compiled"] + snapshot["piece_cache_hits"] == 3
     if capture == "emulate":
         assert snapshot["replays"] > 0
-    pieces = backend.compiled[0].materialised.pieces
+    pieces = [p.module for p in backend.compiled[0].pieces]
     assert isinstance(pieces[2].forward, inductor.InductorPiece)
     assert pieces[2].forward.artifact is pieces[4].forward.artifact
     assert not isinstance(pieces[1].forward, inductor.InductorPiece)  # eager pieces stay
@@ -181,7 +181,7 @@ def test_compile_sizes_get_their_own_compile_used_on_calls_of_that_size(cache_ro
     with torch.no_grad():
         x = torch.randn(sizes[0], 8)
         torch.testing.assert_close(compiled(x), model(x), **TOLERANCE)  # compiles
-        pieces = backend.compiled[0].materialised.pieces
+        pieces = [p.module for p in backend.compiled[0].pieces]
         sized = [p.forward for p in pieces if isinstance(p.forward, inductor.InductorPiece)]
         assert sized and all(set(f.sized) == {4} for f in sized)
         assert all(f.sized[4] is not f.artifact for f in sized)
@@ -243,7 +243,7 @@ def test_compile_sizes_never_freeze_another_host_value(cache_root):
             torch.testing.assert_close(compiled(x, n), model(x, n), **TOLERANCE)
     (forward,) = (
         p.forward
-        for p in backend.compiled[0].materialised.pieces
+        for p in (each.module for each in backend.compiled[0].pieces)
         if isinstance(p.forward, inductor.InductorPiece)
     )
     assert not forward.sized  # the piece reads n besides the token count: symbolic only
@@ -286,7 +286,7 @@ def test_functions_of_one_name_but_other_objects_never_share_an_artifact(cache_r
         (("piece_0",), "compiled"),
         (("piece_2",), "compiled"),
     ]
-    pieces = backend.compiled[0].materialised.pieces
+    pieces = [p.module for p in backend.compiled[0].pieces]
     assert pieces[0].forward.artifact is not pieces[2].forward.artifact
 
 
@@ -439,7 +439,7 @@ def test_a_float_argument_keeps_its_pieces_compiled_across_values(cache_root, mo
     assert counters.snapshot()["uncaptured_runs"] == 40  # each value a capture key of its own
     for split in backend.compiled:
         assert {r.outcome for r in split.compiled_pieces} <= {"compiled", "memory", "disk"}
-    last = backend.compiled[-1].materialised.pieces[0].forward
+    last = backend.compiled[-1].pieces[0].module.forward
     assert isinstance(last, inductor.InductorPiece) and last.inputs.floats
 
 

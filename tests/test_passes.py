@@ -496,7 +496,7 @@ def test_split_keeps_late_getitem_with_eager_producer():
     plan = result.plan
     assert kinds(plan) == ["eager", "captured", "eager", "captured"]
     assert plan.pieces[0].nodes == ("topk", "getitem", "getitem_1")
-    assert torch.equal(result.materialised.stitched(x_in), want)
+    assert torch.equal(result.stitched(x_in), want)
 
 
 # --------------------------------------------------------------------------- normalise (compiled)
@@ -1081,7 +1081,7 @@ def test_no_grad_block_crossing_piece_boundary():
 
 def _state_after_each_piece(spy, *args):
     """Grad mode and CPU autocast state seen right after each piece of the call ``args``."""
-    stitched = spy.backend.compiled[0].materialised.stitched
+    stitched = spy.backend.compiled[0].stitched
     seen = []
     hooks = [
         stitched.get_submodule(p.name).register_forward_hook(
@@ -1182,7 +1182,7 @@ def test_stitched_module_calls_pieces_in_order():
         return d - 1
 
     spy, _ = run(f, torch.randn(3))
-    stitched = spy.backend.compiled[0].materialised.stitched
+    stitched = spy.backend.compiled[0].stitched
     assert isinstance(stitched, torch.fx.GraphModule)
     calls = [n for n in stitched.graph.nodes if n.op == "call_module"]
     names = [f"piece_{i}" for i in range(len(spy.plan.pieces))]

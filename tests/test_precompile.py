@@ -108,7 +108,7 @@ def test_the_sizes_compiled_on_their_own_load_from_the_file(tmp_path):
             torch.testing.assert_close(loaded(model, x), model(x), **TOLERANCE)
     assert counters.snapshot()["pieces_compiled"] == 0
     (split,) = fxsplit.backend.fxsplit_backend.compiled
-    pieces = [p.forward for p in split.materialised.pieces]
+    pieces = [p.module.forward for p in split.pieces]
     assert any(isinstance(f, inductor.InductorPiece) and set(f.sized) == {4} for f in pieces)
     assert counters.snapshot()["replays"] > 0
     fxsplit.backend.fxsplit_backend.reset()
@@ -122,7 +122,7 @@ def test_a_loaded_graph_runs_python_first_and_loads_its_pieces_at_the_second_cal
     model = Stack(1)
     loaded = _fresh_load(_aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate"), tmp_path)
     (split,) = fxsplit.backend.fxsplit_backend.compiled
-    compiled = [p.forward for p in split.materialised.pieces if hasattr(p.forward, "pending")]
+    compiled = [p.module.forward for p in split.pieces if hasattr(p.module.forward, "pending")]
     assert len(compiled) == 2 and all(f.artifact is None for f in compiled)
     seen = []
     with torch.no_grad():
@@ -208,7 +208,7 @@ def test_a_load_by_another_thread_during_a_first_call_does_not_count_it_as_a_war
     model = Stack(1)
     loaded = _fresh_load(_aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate"), tmp_path)
     (split,) = fxsplit.backend.fxsplit_backend.compiled
-    compiled = [p.forward for p in split.materialised.pieces if hasattr(p.forward, "pending")]
+    compiled = [p.module.forward for p in split.pieces if hasattr(p.module.forward, "pending")]
     first_run_captured = []
 
     def watched(resolve):
@@ -257,7 +257,7 @@ def test_finalize_loading_loads_the_pieces_before_the_first_call(tmp_path):
     loaded._artifacts.compiled_fn.finalize_loading(object())
     assert counters.snapshot()["piece_cache_hits"] == 2
     (split,) = fxsplit.backend.fxsplit_backend.compiled
-    compiled = [p.forward for p in split.materialised.pieces if hasattr(p.forward, "pending")]
+    compiled = [p.module.forward for p in split.pieces if hasattr(p.module.forward, "pending")]
     assert all(f.pending is None and f.artifact is not None for f in compiled)
     with torch.no_grad():
         x = torch.randn(3, 8)

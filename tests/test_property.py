@@ -954,7 +954,7 @@ def _loaded_later(split, *args, **kwargs) -> list[inductor.CompiledPiece]:
     artifact just compiled)."""
     records = _compile_pieces(split, *args, **kwargs)
     shared: dict[int, list[inductor.InductorPiece]] = {}
-    for module in split.materialised.pieces:
+    for module in (p.module for p in split.pieces):
         if isinstance(module.forward, inductor.InductorPiece):
             shared.setdefault(id(module.forward.artifact), []).append(module.forward)
     for members in shared.values():

@@ -16,20 +16,49 @@ from fxsplit.facts import aliasing, op_facts
 from fxsplit.passes import mark, materialise, normalise, partition, step_sizes
 from fxsplit.plan import Piece, SplitPlan
 
-__all__ = ["Split", "split"]
+__all__ = ["Split", "SplitPiece", "split"]
+
+
+@dataclass(frozen=True)
+class SplitPiece:
+    """One piece of a split, as each pass left it.
+
+    Attributes:
+        plan: its record in the plan (:class:`fxsplit.plan.Piece`).
+        part: its nodes in the Dynamo graph (:class:`fxsplit.passes.partition.Part`).
+        module: the module that runs it (:class:`fxsplit.passes.materialise.PieceModule`;
+            the Inductor pass may replace its ``forward``).
+        aliasing: what it writes and aliases (:mod:`fxsplit.facts.aliasing`), or None where
+            the split ran without the analysis or the piece runs eagerly.
+    """
+
+    plan: Piece
+    part: partition.Part
+    module: materialise.PieceModule
+    aliasing: aliasing.PieceAliasing | None
 
 
 @dataclass
 class Split:
-    """Everything :func:`split` produced for one graph."""
+    """Everything :func:`split` produced for one graph.
+
+    Attributes:
+        plan: the :class:`~fxsplit.plan.SplitPlan`.
+        graph_module: the Dynamo graph, normalised in place.
+        marks: what the mark pass found (:class:`fxsplit.passes.mark.Marks`).
+        pieces: one record per piece, in graph order.
+        stitched: the module that calls the pieces in order (what runs the graph).
+        compiled_pieces: the Inductor pass's records (:class:`fxsplit.passes.inductor.
+            CompiledPiece`), or None where it did not run.
+        steps: the step sizes found (:class:`fxsplit.passes.step_sizes.StepSizes`).
+    """
 
     plan: SplitPlan
     graph_module: GraphModule
     marks: mark.Marks
-    parts: list[partition.Part]
-    materialised: materialise.Materialised
-    aliasing: list[aliasing.PieceAliasing | None]
-    compiled_pieces: list | None = None  # fxsplit.passes.inductor.CompiledPiece records
+    pieces: tuple[SplitPiece, ...]
+    stitched: GraphModule
+    compiled_pieces: list | None = None
     steps: step_sizes.StepSizes | None = None
 
 
@@ -81,7 +110,7 @@ def split(
     done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host)
     facts = _aliasing(gm, parts, done) if analyse else [None] * len(parts)
     names = {n.name: n for n in gm.graph.nodes}
-    pieces = tuple(
+    records = tuple(
         Piece(
             name=module.name,
             kind=part.kind,
@@ -103,11 +132,14 @@ def split(
         graph_id=graph_id,
         runner=runner,
         eager_regions=policy.eager_regions,
-        pieces=pieces,
+        pieces=records,
         num_nodes=len(gm.graph.nodes),
         split_seconds=time.perf_counter() - start,
     )
-    return Split(plan, gm, marks, parts, done, facts, steps=steps)
+    pieces = tuple(
+        SplitPiece(*each) for each in zip(records, parts, done.pieces, facts, strict=True)
+    )
+    return Split(plan, gm, marks, pieces, done.stitched, steps=steps)
 
 
 def _unset(nodes, outputs: tuple[str, ...]) -> tuple[str, ...]:

@@ -322,7 +322,8 @@ def compile_pieces(
     nodes = {n.name: n for n in gm.graph.nodes}
     floats = piece_graph.float_sources(gm)
     groups: dict[tuple, list[int]] = {}
-    for i, (part, module) in enumerate(zip(split.parts, split.materialised.pieces, strict=True)):
+    for i, each in enumerate(split.pieces):
+        part, module = each.part, each.module
         if part.kind == partition.CAPTURED:
             examples = [nodes[name].meta.get("example_value") for name in module.input_names]
             layouts = (
@@ -337,9 +338,9 @@ def compile_pieces(
     dynamic = "from_tracing_context" if context is not None else "from_graph"
     results = []
     for (code, layouts), members in _progress(groups.items(), split.plan.graph_id):
-        first = split.materialised.pieces[members[0]]
-        part_nodes = split.parts[members[0]].nodes
-        names = tuple(split.materialised.pieces[i].name for i in members)
+        first = split.pieces[members[0]].module
+        part_nodes = split.pieces[members[0]].part.nodes
+        names = tuple(split.pieces[i].module.name for i in members)
         reason = _not_compiled(split, members[0], nodes, grad_at_entry)
         piece = None
         if reason is None:
@@ -377,7 +378,7 @@ def compile_pieces(
         if record.outcome == EAGER:
             continue
         for i in members:
-            module = split.materialised.pieces[i]
+            module = split.pieces[i].module
             module.forward = InductorPiece(
                 artifact,
                 module.forward,
@@ -639,9 +640,8 @@ def _at(value, symbol, n: int):
 
 def _not_compiled(split, i: int, nodes: dict[str, Node], grad_at_entry: bool) -> str | None:
     """Why piece ``i`` keeps its generated Python, or None when Inductor may compile it."""
-    module = split.materialised.pieces[i]
-    plan_piece = split.plan.pieces[i]
-    if module.stateful or any(global_state.is_state_node(n) for n in split.parts[i].nodes):
+    module, plan_piece, part = split.pieces[i].module, split.pieces[i].plan, split.pieces[i].part
+    if module.stateful or any(global_state.is_state_node(n) for n in part.nodes):
         return "it switches grad mode or autocast (kept as generated Python)"
     if plan_piece.random:
         return "it draws random numbers (Inductor's generator gives other numbers than eager)"

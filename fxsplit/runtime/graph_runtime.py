@@ -96,7 +96,7 @@ class GraphRuntime:
         self._recaptures: list[int] = []  # steps at which a parameter move dropped the graphs
         self._entered = frame is None or frame.entered
 
-        stitched = split.materialised.stitched
+        stitched = split.stitched
         self._placeholders = list(stitched.graph.find_nodes(op="placeholder"))
         # a marked cache handed in as an argument is read by address through the capture key
         self._static_arguments = frozenset(
@@ -169,9 +169,8 @@ class GraphRuntime:
         volatile = frozenset(self.statics.volatile)
         # marked caches handed in as arguments, and views of them a captured piece hands on
         statics = set(self._static_arguments)
-        for part, module, plan_piece, facts in zip(
-            split.parts, split.materialised.pieces, split.plan.pieces, split.aliasing, strict=True
-        ):
+        for each in split.pieces:
+            part, module, facts = each.part, each.module, each.aliasing
             if part.kind == "captured":
                 if facts is None:
                     facts = PieceAliasing(error="the split ran without the aliasing analysis")
@@ -189,7 +188,7 @@ class GraphRuntime:
                         statics.add(module.output_names[j])
                 reads = binding.key_reads(specs, inputs)
                 captured = CapturedPiece(
-                    module, specs, reads, facts, plan_piece, self.context, _generators(part.nodes)
+                    module, specs, reads, facts, each.plan, self.context, _generators(part.nodes)
                 )
                 # the stitched module's generated code calls it through its instance dict
                 self._stitched.register_module(captured.name, captured)

@@ -133,7 +133,7 @@ def split_graph(split):
     import graphviz
 
     plan: SplitPlan = split.plan
-    stitched = split.materialised.stitched
+    stitched = split.stitched
     pieces = {p.name: p for p in plan.pieces}
     order = {p.name: i for i, p in enumerate(plan.pieces)}
     order["output"] = len(plan.pieces)
@@ -290,9 +290,10 @@ def write_dump(
     write("plan.txt", "\n".join([split.plan.format(), *sharing_lines(split.plan)]) + "\n")
     data = plan_dict(split, example_inputs=example_inputs)
     write("plan.json", dumps_json(data))
-    for piece, module in zip(split.plan.pieces, split.materialised.pieces, strict=True):
+    for each in split.pieces:
+        piece, module = each.plan, each.module
         write(f"{piece.name}.py", piece_source(piece, module.code))
-    write("stitched.py", split.materialised.stitched.code.strip("\n") + "\n")
+    write("stitched.py", split.stitched.code.strip("\n") + "\n")
     if split.compiled_pieces is not None:
         write("compiled.json", dumps_json(compiled_dict(split.compiled_pieces)))
         for record in split.compiled_pieces:
