@@ -9,10 +9,8 @@ outputs that are views of an input over the caller's tensor. Parameters are not 
 the graph runtime checks them once per step. What the piece writes and aliases is read from its
 :class:`~fxsplit.facts.aliasing.PieceAliasing`, computed once at split time.
 
-With capture off and ``input_binding="strict"`` the same object only checks: the call that would
-capture fixes the addresses of the persistent inputs, later calls of that key are checked as a
-replay would be, and the piece runs uncaptured (so a runner bug fails on a CPU machine as on a
-GPU).
+With capture off and ``input_binding="strict"``, :class:`~fxsplit.runtime.checked.CheckedPiece`
+stands in instead: it checks what a capture would bind and never captures.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ class CaptureRefusedError(RuntimeError):
 
 class CapturedPiece(torch.nn.Module):
     """Stands in for a captured :class:`~fxsplit.passes.materialise.PieceModule` in the stitched
-    module when capture is on (or strict binding is checked with capture off).
+    module when capture is on.
 
     Args:
         piece: the piece module (its ``forward`` is the uncaptured code).
@@ -117,9 +115,6 @@ class CapturedPiece(torch.nn.Module):
         entry = self.entries.get(key)
         if entry is None:
             return self._miss(key, inputs)
-        if context.checking:
-            self._check(entry, inputs)
-            return self._uncaptured(inputs, key)
         pool = context.pool
         if not pool.in_order(entry.order):
             return self._recapture(entry, inputs)
@@ -238,8 +233,6 @@ class CapturedPiece(torch.nn.Module):
             CaptureRefusedError: under ``on_capture_error="raise"``.
         """
         self.stats.refusals[why] += 1
-        if self.context.checking:  # capture off: nothing was going to be captured
-            return
         if self.context.on_capture_error == "raise":
             raise CaptureRefusedError(
                 f"fxsplit {self.context.graph_id}: {self.name} cannot be captured: {why} "
@@ -271,9 +264,12 @@ class CapturedPiece(torch.nn.Module):
                 "uncaptured"
             )
             return self._uncaptured(inputs, key)
-        if context.checking:
-            self.entries[key] = self._fix_addresses(key, inputs)
-            return self._uncaptured(inputs, key)
+        return self._first(key, inputs, before)
+
+    def _first(self, key, inputs, before):
+        """The first call of ``key`` past its warm-ups: capture its graph and return what the
+        capture computed (``before``: the global state before the call)."""
+        context = self.context
         try:
             entry = capture(self, key, inputs)
         except BindingError:
@@ -340,21 +336,6 @@ class CapturedPiece(torch.nn.Module):
             context.pool.owners.pop(ptr, None)
         context.pool.ledger.release_order(entry.order, context.pool.step)
         entry.graph.reset()
-
-    def _fix_addresses(self, key, inputs) -> Entry:
-        """Capture off, strict binding: the entry that fixes the persistent inputs' addresses
-        (what a capture would bind), with no graph."""
-        context = self.context
-        produced = context.session.produced
-        checks = []
-        for i, (spec, value) in enumerate(zip(self.specs, inputs, strict=True)):
-            if not isinstance(value, torch.Tensor):
-                continue
-            if spec.kind == binding.RUNNER and context.is_frozen_memory(value):
-                continue  # a view of a parameter or buffer: bound by address, never an error
-            if binding.bind(spec, "strict", produced(value)) is _ADDRESS:
-                checks.append((i, value, value.data_ptr(), _ADDRESS, None))
-        return Entry(key, None, (), None, tuple(checks), (), self.stats.key(key), ())
 
     def _moved(self, i: int, value, ptr: int, bind) -> Exception:
         """The error for an ADDRESS or PINNED input that moved: a refusal where the value is

@@ -56,12 +56,8 @@ class GraphContext:
     split: Split
     statics: StaticInputs
     capture_step: bool = False
-    checking: bool = field(init=False)  # capture off: the pieces only check what they bind
     static_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     buffers: OwnBuffers = field(default_factory=OwnBuffers)
-
-    def __post_init__(self):
-        self.checking = self.mode == "check"
 
     def is_frozen_memory(self, value: torch.Tensor) -> bool:
         """Whether ``value`` lives in a parameter's or buffer's storage of the graph."""

@@ -19,6 +19,7 @@ from fxsplit.config import Config
 from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError
+from fxsplit.runtime.checked import CheckedPiece
 from fxsplit.runtime.context import GraphContext
 from fxsplit.runtime.hand_out import hand_back, hand_out, take_over, with_copies
 from fxsplit.runtime.lending import Borrower
@@ -187,7 +188,8 @@ class GraphRuntime:
                     if base is not None and inputs[base].name in statics:
                         statics.add(module.output_names[j])
                 reads = binding.key_reads(specs, inputs)
-                captured = CapturedPiece(
+                kind = CheckedPiece if self.checking else CapturedPiece
+                captured = kind(
                     module, specs, reads, facts, each.plan, self.context, _generators(part.nodes)
                 )
                 # the stitched module's generated code calls it through its instance dict
