@@ -6,7 +6,6 @@ emulator cannot see), roll back what a failed capture wrote, and record the :cla
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -61,30 +60,12 @@ def capture(piece, key, inputs) -> Entry:
         if buffer is not None and buffer.static is not inputs[i] and buffer.mark is None:
             buffer.remember(session, inputs[i])
     graph = pool.new_graph(piece.generators)
-    # The emulator runs the piece while recording; if the capture then fails, the fallback
-    # run must find what the piece writes as it was (a CUDA capture executes nothing).
-    emulated = context.mode == "emulate"
-    saved = (
-        [(statics[i], statics[i].clone()) for i in written if isinstance(statics[i], torch.Tensor)]
-        if emulated
-        else None
-    )
-    # an opaque op (no tag says it draws) may draw random numbers before the capture fails
-    rng = torch.get_rng_state() if emulated else None
     session.collect_once()
     try:
-        run = piece.run_uncaptured
-        if emulated and piece.check_uncompiled is not None:
-            _check_legality(graph, piece.check_uncompiled, statics)
-            # Inductor's CPU kernels bypass the dispatcher: record the piece as one unit
-            run = functools.partial(_opaque, piece.run_uncaptured)
-        outputs = graph.capture(run, *statics)
-        _refuse_grad(outputs)
+        outputs = graph.capture_piece(
+            piece.run_uncaptured, statics, written, piece.check_uncompiled, _refuse_grad
+        )
     except BaseException:
-        for static, copy in saved or ():
-            static.copy_(copy)
-        if rng is not None:  # the fallback run draws what eager draws
-            torch.set_rng_state(rng)
         graph.reset()
         raise
     order = pool.next_order()
@@ -197,38 +178,6 @@ def _views(piece, outputs, statics, binds, bases) -> tuple:
         shape, strides = tuple(out.shape), tuple(out.stride())
         views.append((j, i, shape, strides, offset, dtype, out.is_conj(), out.is_neg()))
     return tuple(views)
-
-
-def _opaque(fn, *args):
-    from fxsplit.runtime.emulator import call_opaque
-
-    return call_opaque(fn, args)
-
-
-def _check_legality(graph, fn, statics) -> None:
-    """Run ``fn`` (a compiled piece's generated Python) on fake copies of ``statics`` under the
-    emulator's capture checks: what CUDA capture would reject raises, and nothing runs for real
-    (no random number drawn, no collective issued, no input written).
-
-    Raises:
-        CaptureError: an op illegal under capture.
-        Refused: the check itself could not run on fake tensors.
-    """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fxsplit.runtime.emulator import CaptureError
-
-    try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in statics]
-            graph.check(fn, *fakes)
-    except CaptureError:
-        raise
-    except Exception as error:
-        raise Refused(
-            f"its capture legality could not be checked on fake tensors ({type(error).__name__}:"
-            f" {error})"
-        ) from error
 
 
 def never_captured(specs: list[InputSpec], aliasing: PieceAliasing, devices) -> str | None:

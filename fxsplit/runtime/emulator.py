@@ -587,6 +587,10 @@ def _addresses(steps: tuple[tuple, ...]) -> tuple[tuple[torch.UntypedStorage, in
     return tuple(found.values())
 
 
+def _opaque(fn: Callable, *args: Any) -> Any:
+    return call_opaque(fn, args)
+
+
 def call_opaque(fn: Callable, args: tuple) -> Any:
     """``fn(*args)``; inside an emulated capture on this thread, recorded as one unit.
 
@@ -847,6 +851,73 @@ class EmulatedGraph:
         self._actions = tuple(recorder.actions)
         self._addresses = _addresses(self._steps)
         return result
+
+    def capture_piece(
+        self,
+        fn: Callable[..., Any],
+        statics: list,
+        written: list[int],
+        uncompiled: Callable[..., Any] | None = None,
+        validate: Callable[[Any], None] | None = None,
+    ) -> Any:
+        """:meth:`capture` of a piece, ``fn(*statics)``, then ``validate(outputs)``; where
+        either fails, what the piece writes (``statics[i]`` for ``i`` in ``written``) and the
+        CPU generator are left as they were before. A CUDA capture executes nothing, so the
+        run that falls back to eager must find them so; an opaque op (no tag says it draws)
+        may draw random numbers before the capture fails.
+
+        ``uncompiled``: ``fn``'s generated Python, where ``fn`` is a compiled piece whose
+        kernels bypass the dispatcher (Inductor's CPU kernels): its legality is checked on fake
+        tensors (:meth:`check`; nothing runs for real) and ``fn`` is recorded as one unit
+        (:func:`call_opaque`).
+
+        Raises:
+            CaptureError: an op illegal under capture (see :meth:`capture`).
+            fxsplit.runtime.binding.Refused: the legality check could not run on fake tensors.
+            Exception: what ``fn`` or ``validate`` raised.
+        """
+        kept = [statics[i] for i in written if isinstance(statics[i], torch.Tensor)]
+        saved = [(static, static.clone()) for static in kept]
+        rng = torch.get_rng_state()
+        try:
+            run = fn
+            if uncompiled is not None:
+                self._check_on_fakes(uncompiled, statics)
+                run = functools.partial(_opaque, fn)
+            outputs = self.capture(run, *statics)
+            if validate is not None:
+                validate(outputs)
+        except BaseException:
+            for static, copy in saved:
+                static.copy_(copy)
+            torch.set_rng_state(rng)  # the fallback run draws what eager draws
+            raise
+        return outputs
+
+    def _check_on_fakes(self, fn: Callable[..., Any], statics: list) -> None:
+        """:meth:`check` of ``fn`` on fake copies of ``statics``: what CUDA capture would
+        reject raises, and nothing runs for real (no random number drawn, no collective
+        issued, no input written).
+
+        Raises:
+            CaptureError: an op illegal under capture.
+            fxsplit.runtime.binding.Refused: the check itself could not run on fake tensors.
+        """
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from fxsplit.runtime.binding import Refused
+
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fakes = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for v in statics]
+                self.check(fn, *fakes)
+        except CaptureError:
+            raise
+        except Exception as error:
+            raise Refused(
+                "its capture legality could not be checked on fake tensors "
+                f"({type(error).__name__}: {error})"
+            ) from error
 
     def check(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` under capture's checks without recording it (call it with fake

@@ -142,6 +142,20 @@ class CudaGraph:
             self._graph.replay()
         return outputs
 
+    def capture_piece(self, fn, statics, written, uncompiled=None, validate=None):
+        """:meth:`capture` of a piece, ``fn(*statics)``, then ``validate(outputs)`` (which may
+        raise). CUDA checks what capture rejects itself, so ``uncompiled`` (a compiled piece's
+        generated Python) is not needed, and ``written`` (what the piece writes) is not
+        restored: the capture executes nothing before its one replay.
+
+        Raises:
+            as :meth:`capture`, or what ``validate`` raised.
+        """
+        outputs = self.capture(fn, *statics)
+        if validate is not None:
+            validate(outputs)
+        return outputs
+
     def _abandon(self, pool, ended: bool) -> None:
         """After a failed capture: end it, release the pool's recording, take a fresh pool."""
         if not ended:
