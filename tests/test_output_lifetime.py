@@ -442,15 +442,10 @@ def test_a_captured_output_kept_by_an_eager_ops_kernel_keeps_its_values(clone_ou
     assert _ledger(backend).loans.moved == 4  # each kept loan moved once, before the replay
 
 
-class _Drafter(nn.Module):
+class _Drafter(SinAttentionMlp):
     """EAGLE/MTP-style reuse: an eager op keeps the hidden state it is handed and reads the one
-    of the step before next time (``fxsplit_lifetime::draft`` adds it to this step's)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
-        self.requires_grad_(False)
+    of the step before next time (``fxsplit_lifetime::draft`` adds it to this step's).
+    SinAttentionMlp's weights, with tanh and the draft op in place of relu and the region."""
 
     def forward(self, x):
         h = self.a(x).tanh()
@@ -930,12 +925,9 @@ def _(h):
     return torch.empty_like(h)
 
 
-class _Memoises(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
-        self.requires_grad_(False)
+class _Memoises(SinAttentionMlp):
+    """SinAttentionMlp's weights, with the ``memoised`` op (an eager splitting op caching on
+    the tensor it is handed) in place of the region; no final ``* 2``."""
 
     def forward(self, x):
         return self.b(torch.ops.fxsplit_lifetime.memoised(self.a(x).relu()))

@@ -1057,21 +1057,27 @@ def test_graph_output_is_input_and_duplicate():
     assert got[0] is got[2]
 
 
-def test_no_grad_block_crossing_piece_boundary():
-    def f(x):
-        a = x * 2
-        with torch.no_grad():
-            b = a.sin()
-            with fxsplit.region("attention"):
-                c = b * 3
-            d = c.cos()
-        return d + a
+def _no_grad_around_a_region(x):
+    """``x * 2``, then a no_grad block holding ``sin``, an attention region (``* 3``) and
+    ``cos``, then ``+ x * 2``: a no_grad block that two piece boundaries cross (captured,
+    eager, captured), the first and last pieces each starting or ending inside it."""
+    a = x * 2
+    with torch.no_grad():
+        b = a.sin()
+        with fxsplit.region("attention"):
+            c = b * 3
+        d = c.cos()
+    return d + a
 
+
+def test_no_grad_block_crossing_piece_boundary():
+    """Grad mode is eager's across the pieces a no_grad block spans: the output requires grad
+    and its gradient equals eager's, and grad mode is on again after the call."""
     x = torch.randn(3, requires_grad=True)
-    spy, got = run(f, x)
+    spy, got = run(_no_grad_around_a_region, x)
     assert kinds(spy.plan) == ["captured", "eager", "captured"]
     assert torch.is_grad_enabled()
-    want = f(x)
+    want = _no_grad_around_a_region(x)
     assert got.requires_grad == want.requires_grad
     got.sum().backward()
     grad, x.grad = x.grad.clone(), None
@@ -1100,18 +1106,8 @@ def _state_after_each_piece(spy, *args):
 def test_pieces_restore_grad_mode_at_their_end():
     """A piece ending inside a no_grad block leaves grad mode as at graph entry (a replayed piece
     runs none of its Python, so the next piece must not rely on it)."""
-
-    def f(x):
-        a = x * 2
-        with torch.no_grad():
-            b = a.sin()
-            with fxsplit.region("attention"):
-                c = b * 3
-            d = c.cos()
-        return d + a
-
     x = torch.randn(3, requires_grad=True)
-    spy, _ = run(f, x)
+    spy, _ = run(_no_grad_around_a_region, x)
     assert _state_after_each_piece(spy, x) == [(True, False)] * 3
 
 
