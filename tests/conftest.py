@@ -87,3 +87,19 @@ def fresh_capture_state(monkeypatch):
     yield
     torch._dynamo.reset()
     counters.reset()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """``fresh_capture_state`` with the real ``gc.collect``: for tests/test_runtime_cuda.py,
+    whose captures on a device run the session's collection before capture as they do in use.
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``."""
+    import torch
+
+    from fxsplit import counters
+
+    torch._dynamo.reset()
+    counters.reset()
+    yield
+    torch._dynamo.reset()
+    counters.reset()

@@ -17,12 +17,7 @@ from fxsplit.models import deepseek_v4
 from tests.timeouts import scaled
 from tests.warned import warned_at
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 def test_string_backend_in_fresh_process_without_importing_fxsplit():
@@ -188,7 +183,9 @@ def test_regions_only_after_a_graph_break_do_not_warn():
 
 @pytest.mark.parametrize("where", ["model", "module_regions"])
 def test_misspelt_region_marking_nodes_warns(where):
-    class Net(torch.nn.Module):
+    class MisspeltRegion(torch.nn.Module):
+        """Linear(4, 4) then softmax, in a region named "atention" when ``where`` is "model"."""
+
         def __init__(self):
             super().__init__()
             self.proj = torch.nn.Linear(4, 4)
@@ -200,7 +197,7 @@ def test_misspelt_region_marking_nodes_warns(where):
             return self.proj(x).softmax(-1)
 
     options = {"module_regions": {"Linear": "atention"}} if where == "module_regions" else {}
-    compiled = torch.compile(Net(), backend=fxsplit.Backend(**options))
+    compiled = torch.compile(MisspeltRegion(), backend=fxsplit.Backend(**options))
     with pytest.warns(fxsplit.FxsplitWarning, match="'atention'.*did you mean") as seen:
         compiled(torch.randn(3, 4))
         compiled(torch.randn(3, 4))

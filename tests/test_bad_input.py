@@ -7,7 +7,6 @@ the cause). Inputs and model errors are checked at run time with the capture emu
 
 from __future__ import annotations
 
-import gc
 import re
 import warnings
 
@@ -46,14 +45,7 @@ VALID_KEYS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    torch._dynamo.reset()
-    counters.reset()
-    monkeypatch.setattr(gc, "collect", lambda generation=2: 0)  # see tests/test_runtime.py
-    yield
-    torch._dynamo.reset()
-    counters.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 def _chain(error: BaseException) -> list[BaseException]:

@@ -12,12 +12,7 @@ import fxsplit
 from fxsplit.config import Config
 from tests.warned import warned_at
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 def _chain(exc: BaseException) -> list[BaseException]:

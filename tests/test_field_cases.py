@@ -16,10 +16,10 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import fxsplit
 from fxsplit import counters
+from tests.nets import RegionMlp
 from tests.replays import assert_replayed
 from tests.warned import warned_at
 
@@ -103,25 +103,24 @@ def test_fresh_tensor_from_eager_split_op_feeds_captured_piece_across_steps():
 # Dynamo recompiles after capture because global state changed
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.a(x)
-        with fxsplit.region(MID):
-            h = torch.relu(h) + SCALE
-        return self.b(h)
-
-
 SCALE = 1.0  # a global flag Dynamo guards on
 
 
+class AddsGlobalScale(RegionMlp):
+    """:class:`tests.nets.RegionMlp` of width 4 around region MID, seeded weights, whose eager
+    region adds the module global ``SCALE``: a value Dynamo guards on, so changing it
+    recompiles."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__(width=4, region=MID)
+
+    def mid(self, h):
+        return torch.relu(h) + SCALE
+
+
 def test_grad_mode_flip_after_capture_recompiles_and_replays_no_stale_graph():
-    net = Net().requires_grad_(False)
+    net = AddsGlobalScale().requires_grad_(False)
     model, backend = _compile(net, eager_regions=[MID])
     xs = [_data((2, 4), i) for i in range(9)]
     with torch.no_grad():
@@ -142,7 +141,7 @@ def test_grad_mode_flip_after_capture_recompiles_and_replays_no_stale_graph():
 
 
 def test_global_flag_change_after_capture_recompiles_and_replays_no_stale_graph(monkeypatch):
-    net = Net().requires_grad_(False)
+    net = AddsGlobalScale().requires_grad_(False)
     model, backend = _compile(net, eager_regions=[MID])
     with torch.no_grad():
         for step in range(8):
@@ -395,7 +394,7 @@ def test_multi_output_splitting_op_getitems_used_in_later_pieces(op):
 
 
 def test_two_backends_share_no_graphs_pools_or_stats_and_reset_clears_both():
-    net_a, net_b = Net().requires_grad_(False), Net().requires_grad_(False)
+    net_a, net_b = AddsGlobalScale().requires_grad_(False), AddsGlobalScale().requires_grad_(False)
     with torch.no_grad():
         net_b.a.weight.mul_(-1)
     model_a, backend_a = _compile(net_a, eager_regions=[MID])
@@ -448,7 +447,7 @@ def test_two_backends_share_no_graphs_pools_or_stats_and_reset_clears_both():
 
 
 def test_clone_outputs_keeps_the_held_output():
-    net = Net().requires_grad_(False)
+    net = AddsGlobalScale().requires_grad_(False)
     model, _ = _compile(net, eager_regions=[MID], clone_outputs=True)
     with torch.no_grad():
         model(_data((2, 4), 0))

@@ -270,6 +270,22 @@ def test_three_instances_compiled_one_by_one_capturing_at_once_keep_their_state(
     assert fxsplit.counters.snapshot()["replays"] > 0
 
 
+def _assert_follows_a_write_through_data(eager, net, model, weight):
+    """Seven steps of ``model`` (compiled from ``net``) equal ``eager``'s, the pieces replayed,
+    where before step 4 a new value is copied into ``weight(m)`` through ``.data`` in both
+    copies: the rule that a weight loader's ``p.data.copy_`` reaches every later replay."""
+    g = torch.Generator().manual_seed(7)
+    with _quiet():
+        for step in range(7):
+            if step == 4:
+                w = torch.randn(D, D, generator=g)
+                for m in (eager, net):
+                    weight(m).data.copy_(w)
+            x = _x(step)
+            assert torch.equal(model(x), eager(x)), step
+    assert fxsplit.counters.snapshot()["replays"] > 0
+
+
 class _WeightsAfterBreak(nn.Module):
     def __init__(self):
         super().__init__()
@@ -296,16 +312,7 @@ def test_weights_read_after_a_graph_break_follow_a_write_through_data(warmup_run
     net = copy.deepcopy(eager)
     backend = fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs)
     model = torch.compile(net, backend=backend)
-    g = torch.Generator().manual_seed(7)
-    with _quiet():
-        for step in range(7):
-            if step == 4:
-                w = torch.randn(D, D, generator=g)
-                for m in (eager, net):
-                    m.lin.weight.data.copy_(w)
-            x = _x(step)
-            assert torch.equal(model(x), eager(x)), step
-    assert fxsplit.counters.snapshot()["replays"] > 0
+    _assert_follows_a_write_through_data(eager, net, model, lambda m: m.lin.weight)
 
 
 class _WeightOnTheStack(nn.Module):
@@ -333,16 +340,7 @@ def test_a_weight_on_the_stack_at_a_graph_break_follows_a_write_through_data(war
     eager = _WeightOnTheStack()
     net = copy.deepcopy(eager)
     model = torch.compile(net, backend=fxsplit.Backend(capture="emulate", warmup_runs=warmup_runs))
-    g = torch.Generator().manual_seed(7)
-    with _quiet():
-        for step in range(7):
-            if step == 4:
-                w = torch.randn(D, D, generator=g)
-                for m in (eager, net):
-                    m.w.data.copy_(w)
-            x = _x(step)
-            assert torch.equal(model(x), eager(x)), step
-    assert fxsplit.counters.snapshot()["replays"] > 0
+    _assert_follows_a_write_through_data(eager, net, model, lambda m: m.w)
 
 
 def test_dynamo_says_which_outputs_a_graph_stores_into_buffers():

@@ -50,7 +50,9 @@ def test_operator_on_host_values_has_no_op_name():
 
 
 def test_dropout_in_eval_mode_draws_nothing():
-    class Net(torch.nn.Module):
+    class Dropouts(torch.nn.Module):
+        """A Dropout module and a functional dropout with ``training=False``."""
+
         def __init__(self):
             super().__init__()
             self.drop = torch.nn.Dropout(0.1)
@@ -62,7 +64,7 @@ def test_dropout_in_eval_mode_draws_nothing():
         plans = fxsplit.explain(net, torch.randn(2, 4), eager_regions=[])  # no region in it
         return [p.random for p in plans[0].pieces]
 
-    net = Net().eval()
+    net = Dropouts().eval()
     assert random(net) == [False]
     torch._dynamo.reset()
     assert random(net.train()) == [True]

@@ -31,7 +31,11 @@ pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 D = 8
 
 
-class Net(nn.Module):
+class SinAttentionMlp(nn.Module):
+    """``Linear(D, D)`` and relu, ``sin`` in the ATTENTION region (an eager piece with the
+    default regions), ``Linear(D, D)`` times 2; seeded weights, no gradient; input
+    ``[rows, D]``. Captured, eager, captured: its graph's output is a captured piece's."""
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
@@ -69,7 +73,7 @@ def _assert_steps_equal(got, want) -> None:
 def test_steady_loop_rebinding_its_output_is_right_and_warns_nothing():
     """``out = model(x)`` every step: the previous output is still bound during the call, then
     dropped; nothing warns, every output is eager's, and pieces replay."""
-    net = Net()
+    net = SinAttentionMlp()
     model, _ = _compile(net)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -80,7 +84,7 @@ def test_steady_loop_rebinding_its_output_is_right_and_warns_nothing():
 
 
 def test_outputs_dropped_before_the_next_call_cost_no_copy():
-    net = Net()
+    net = SinAttentionMlp()
     model, backend = _compile(net)
     with torch.no_grad():
         for step in range(6):
@@ -92,7 +96,7 @@ def test_outputs_dropped_before_the_next_call_cost_no_copy():
 
 
 def test_each_call_hands_out_a_fresh_tensor_over_the_pools_memory():
-    net = Net()
+    net = SinAttentionMlp()
     model, _ = _compile(net)
     with torch.no_grad():
         model(_x(0))
@@ -105,7 +109,7 @@ def test_each_call_hands_out_a_fresh_tensor_over_the_pools_memory():
 
 
 def test_outputs_kept_across_calls_keep_their_values_warn_once_and_refuse_to_go_back_in():
-    net = Net()
+    net = SinAttentionMlp()
     model, backend = _compile(net)
     kept = []
     with torch.no_grad(), pytest.warns(UserWarning, match="still held after a later replay") as w:
@@ -120,7 +124,7 @@ def test_outputs_kept_across_calls_keep_their_values_warn_once_and_refuse_to_go_
 
 
 def test_clone_outputs_hands_out_nothing_the_ledger_follows():
-    net = Net()
+    net = SinAttentionMlp()
     model, backend = _compile(net, clone_outputs=True)
     kept = []
     with torch.no_grad(), warnings.catch_warnings():
@@ -189,7 +193,7 @@ def test_activations_kept_by_a_forward_hook_keep_their_values():
     after the graph runs) and the caller keeps each call's activation: the kept activations of
     earlier calls keep their values (here a copy; on CUDA reading them raises) and the caller is
     warned once. (Before, the first calls' activations held later calls' values.)"""
-    net = Net()
+    net = SinAttentionMlp()
     store: dict[str, torch.Tensor] = {}
     net.b.register_forward_hook(lambda module, args, out: store.__setitem__("b", out))
     model, backend = _compile(net)
@@ -198,7 +202,7 @@ def test_activations_kept_by_a_forward_hook_keep_their_values():
         for step in range(5):
             model(_x(step))
             kept.append(store["b"])
-    reference = Net()
+    reference = SinAttentionMlp()
     with torch.no_grad():
         for step in range(5):
             h = reference.a(_x(step)).relu().sin()
@@ -231,7 +235,7 @@ def test_backend_reset_moves_what_it_handed_out_to_memory_of_its_own():
     """A reset frees the graphs: no replay writes their memory again, so a held output moves to
     a copy and stays valid (it may be handed back); torch 2.11, which cannot move a storage,
     invalidates it."""
-    net = Net()
+    net = SinAttentionMlp()
     model, backend = _compile(net)
     with torch.no_grad():
         for step in range(3):
@@ -371,10 +375,10 @@ def test_a_graph_returning_a_view_of_an_output_handed_out_earlier_in_the_step_ke
 def test_a_weight_reload_never_invalidates_the_calls_own_input_before_it_is_read():
     """x = model(x), then load_state_dict(assign=True): the recapture drops the graphs after
     the call took its fed-back input over (on CUDA an invalidated input would raise)."""
-    net = Net()
+    net = SinAttentionMlp()
     backend = fxsplit.Backend(capture="emulate")
     model = torch.compile(net, backend=backend, dynamic=True)
-    reference = Net()
+    reference = SinAttentionMlp()
     with torch.no_grad():
         x = x_eager = torch.randn(3, D)
         for _ in range(3):
@@ -404,8 +408,8 @@ def _(q):
     return torch.empty_like(q)
 
 
-class _Stashing(Net):
-    """Net with the stashing op, an eager splitting op, in place of its eager region."""
+class _Stashing(SinAttentionMlp):
+    """SinAttentionMlp with the stashing op, an eager splitting op, in place of its eager region."""
 
     def forward(self, x):
         h = self.a(x).relu()
@@ -438,15 +442,10 @@ def test_a_captured_output_kept_by_an_eager_ops_kernel_keeps_its_values(clone_ou
     assert _ledger(backend).loans.moved == 4  # each kept loan moved once, before the replay
 
 
-class _Drafter(nn.Module):
+class _Drafter(SinAttentionMlp):
     """EAGLE/MTP-style reuse: an eager op keeps the hidden state it is handed and reads the one
-    of the step before next time (``fxsplit_lifetime::draft`` adds it to this step's)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
-        self.requires_grad_(False)
+    of the step before next time (``fxsplit_lifetime::draft`` adds it to this step's).
+    SinAttentionMlp's weights, with tanh and the draft op in place of relu and the region."""
 
     def forward(self, x):
         h = self.a(x).tanh()
@@ -537,7 +536,7 @@ def test_a_call_that_fails_to_compile_and_is_caught_warns_nothing_afterwards():
     (a width the weights refuse), the caller catches it and carries on. Nothing kept any
     output; the following steps must not warn (here they did: the references counted through
     ``sys.getrefcount`` in nested calls changed by one after the failed compile)."""
-    model, _ = _compile(Net())
+    model, _ = _compile(SinAttentionMlp())
     with torch.no_grad():
         for step in range(4):
             model(_x(step))
@@ -605,7 +604,7 @@ def test_an_output_held_across_a_weight_reload_keeps_its_values():
     drop the graphs that read the old ones, and the graphs captured for the new ones reuse the
     pool's memory. The freed graph's live hand-outs move to memory of their own first
     (``OutputLedger.release_order``): ``held`` keeps eager's values, moved, never invalidated."""
-    net = Net()
+    net = SinAttentionMlp()
     model, backend = _compile(net)
     with torch.no_grad():
         for step in range(3):
@@ -613,7 +612,7 @@ def test_an_output_held_across_a_weight_reload_keeps_its_values():
         held, want = model(_x(3)), net(_x(3))
         moved = _ledger(backend).moved
         replays = counters.snapshot()["replays"]
-        fresh = Net()
+        fresh = SinAttentionMlp()
         for p in fresh.parameters():
             p.mul_(-3)
         net.load_state_dict({k: v.clone() for k, v in fresh.state_dict().items()}, assign=True)
@@ -926,12 +925,9 @@ def _(h):
     return torch.empty_like(h)
 
 
-class _Memoises(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
-        self.requires_grad_(False)
+class _Memoises(SinAttentionMlp):
+    """SinAttentionMlp's weights, with the ``memoised`` op (an eager splitting op caching on
+    the tensor it is handed) in place of the region; no final ``* 2``."""
 
     def forward(self, x):
         return self.b(torch.ops.fxsplit_lifetime.memoised(self.a(x).relu()))

@@ -48,11 +48,7 @@ def _(x):
 # --------------------------------------------------------------------------- helpers
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 class Spy:
@@ -579,7 +575,11 @@ class Block(torch.nn.Module):
         return self.mlp(self.attn(x) + x)
 
 
-class Net(torch.nn.Module):
+class TwoBlocks(torch.nn.Module):
+    """Two Blocks (``layers.0``, ``layers.1``; each ``mlp(attn(x) + x)``, both Linear(4, 4)),
+    each output halved; seeded weights, input ``[rows, 4]``, no region marked: the module
+    names and class names that ``eager_modules`` and ``module_regions`` select."""
+
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
@@ -667,14 +667,14 @@ def test_reason_unsafe_nonzero():
 
 
 def test_reason_module_from_eager_modules():
-    spy, _ = run(Net(), torch.randn(2, 4), eager_modules=["layers.1.attn"])
+    spy, _ = run(TwoBlocks(), torch.randn(2, 4), eager_modules=["layers.1.attn"])
     plan = spy.plan
     assert kinds(plan) == ["captured", "eager", "captured"]
     assert plan.eager[0].reasons == ("module:layers.1.attn",)
 
 
 def test_module_regions_by_class_name_eager_region():
-    spy, _ = run(Net(), torch.randn(2, 4), module_regions={"Attn": "attention"})
+    spy, _ = run(TwoBlocks(), torch.randn(2, 4), module_regions={"Attn": "attention"})
     plan = spy.plan
     assert kinds(plan) == ["eager", "captured", "eager", "captured"]
     for piece in plan.eager:
@@ -683,14 +683,14 @@ def test_module_regions_by_class_name_eager_region():
 
 
 def test_module_regions_by_path_glob():
-    spy, _ = run(Net(), torch.randn(2, 4), module_regions={"layers.*.mlp": "attention"})
+    spy, _ = run(TwoBlocks(), torch.randn(2, 4), module_regions={"layers.*.mlp": "attention"})
     plan = spy.plan
     assert kinds(plan) == ["captured", "eager", "captured", "eager", "captured"]
     assert {r for p in plan.eager for r in p.reasons} == {"module:layers.*.mlp", "region:attention"}
 
 
 def test_module_regions_non_eager_region_is_recorded_but_captured():
-    spy, _ = run(Net(), torch.randn(2, 4), module_regions={"Attn": "my_region"})
+    spy, _ = run(TwoBlocks(), torch.randn(2, 4), module_regions={"Attn": "my_region"})
     plan = spy.plan
     assert kinds(plan) == ["captured"]
     assert plan.pieces[0].regions == frozenset({"my_region"})
@@ -1057,21 +1057,27 @@ def test_graph_output_is_input_and_duplicate():
     assert got[0] is got[2]
 
 
-def test_no_grad_block_crossing_piece_boundary():
-    def f(x):
-        a = x * 2
-        with torch.no_grad():
-            b = a.sin()
-            with fxsplit.region("attention"):
-                c = b * 3
-            d = c.cos()
-        return d + a
+def _no_grad_around_a_region(x):
+    """``x * 2``, then a no_grad block holding ``sin``, an attention region (``* 3``) and
+    ``cos``, then ``+ x * 2``: a no_grad block that two piece boundaries cross (captured,
+    eager, captured), the first and last pieces each starting or ending inside it."""
+    a = x * 2
+    with torch.no_grad():
+        b = a.sin()
+        with fxsplit.region("attention"):
+            c = b * 3
+        d = c.cos()
+    return d + a
 
+
+def test_no_grad_block_crossing_piece_boundary():
+    """Grad mode is eager's across the pieces a no_grad block spans: the output requires grad
+    and its gradient equals eager's, and grad mode is on again after the call."""
     x = torch.randn(3, requires_grad=True)
-    spy, got = run(f, x)
+    spy, got = run(_no_grad_around_a_region, x)
     assert kinds(spy.plan) == ["captured", "eager", "captured"]
     assert torch.is_grad_enabled()
-    want = f(x)
+    want = _no_grad_around_a_region(x)
     assert got.requires_grad == want.requires_grad
     got.sum().backward()
     grad, x.grad = x.grad.clone(), None
@@ -1100,18 +1106,8 @@ def _state_after_each_piece(spy, *args):
 def test_pieces_restore_grad_mode_at_their_end():
     """A piece ending inside a no_grad block leaves grad mode as at graph entry (a replayed piece
     runs none of its Python, so the next piece must not rely on it)."""
-
-    def f(x):
-        a = x * 2
-        with torch.no_grad():
-            b = a.sin()
-            with fxsplit.region("attention"):
-                c = b * 3
-            d = c.cos()
-        return d + a
-
     x = torch.randn(3, requires_grad=True)
-    spy, _ = run(f, x)
+    spy, _ = run(_no_grad_around_a_region, x)
     assert _state_after_each_piece(spy, x) == [(True, False)] * 3
 
 

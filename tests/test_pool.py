@@ -13,34 +13,17 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 import fxsplit
 from fxsplit.runtime import captured as captured_module
 from fxsplit.runtime.binding import Refused as _Refused
 from fxsplit.runtime.graph_runtime import GraphRuntime
 from fxsplit.runtime.pool import MemoryPool
+from tests.nets import KeyFree
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
-D = 16  # a (D, D) float32 block is 1 KiB
-
-
-class _KeyFree(nn.Module):
-    """piece_0 is keyed by the batch; piece_2 reads only a weight and an eager value of static
-    shape, so its capture key is empty and one graph serves every batch."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.w = nn.Parameter(torch.randn(D, D), requires_grad=False)
-
-    def forward(self, x):
-        o0 = (x.t() @ x) * 1.5
-        with fxsplit.region(fxsplit.ATTENTION):
-            e = o0.sin()
-        h = ((self.w * 2) * self.w.cos()) * 3  # two scratch blocks live at once
-        return e + h, o0
+D = 16  # KeyFree's width: a (D, D) float32 block is 1 KiB
 
 
 def _run(model_fn, calls, ordered: bool, late=None, **options):
@@ -100,9 +83,9 @@ def _x(rows, seed):
 
 def test_a_piece_keyed_without_the_token_count_is_recaptured_after_a_new_size():
     calls = [(_x(b, s),) for s, b in enumerate([4, 4, 8, 8, 4, 8, 4])]
-    wrong, backend = _run(_KeyFree, calls, ordered=True)
+    wrong, backend = _run(KeyFree, calls, ordered=True)
     assert wrong == [] and _count(backend, "reorders") >= 1 and _count(backend, "replays") > 0
-    wrong, _ = _run(_KeyFree, calls, ordered=False)
+    wrong, _ = _run(KeyFree, calls, ordered=False)
     assert wrong, "the emulated pool no longer reproduces the out-of-order overwrite"
 
 
@@ -112,7 +95,7 @@ def test_a_piece_captured_a_step_after_the_pieces_after_it_is_recaptured_in_orde
     scratch. Triggers: a capture refused once (its inputs' layout), and the extra warm-up of a
     compiled piece (Triton compiles on its first launch) under ``warmup_runs=0``."""
     calls = [(_x(4, s),) for s in range(6)]
-    wrong, backend = _run(_KeyFree, calls, ordered=True, late=late)
+    wrong, backend = _run(KeyFree, calls, ordered=True, late=late)
     assert wrong == [] and _count(backend, "reorders") >= 1 and _count(backend, "replays") > 0
-    wrong, _ = _run(_KeyFree, calls, ordered=False, late=late)
+    wrong, _ = _run(KeyFree, calls, ordered=False, late=late)
     assert wrong, "the emulated pool no longer reproduces the out-of-order overwrite"

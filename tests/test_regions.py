@@ -24,11 +24,7 @@ def unique(prefix: str) -> str:
     return name
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 class Recorder:

@@ -9,12 +9,7 @@ import fxsplit
 from fxsplit import platforms, runners
 from fxsplit.runners import Runner
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ from fxsplit.models import deepseek_v4 as ds
 from fxsplit.runtime.binding import RUNNER, BindingError
 from fxsplit.runtime.emulator import CaptureError
 from fxsplit.runtime.verify import VerifyError
+from tests.nets import RegionMlp
 from tests.replays import assert_replayed
 from tests.warned import warned_at
 
@@ -54,17 +55,9 @@ COUNTED = (
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    counters.reset()
-    yield
-    torch._dynamo.reset()
-    counters.reset()
-
-
-@pytest.fixture(autouse=True)
-def gc_calls(monkeypatch):
-    """Stub ``gc.collect`` for speed; the fixture value counts the calls."""
+def gc_calls(fresh_capture_state, monkeypatch):
+    """conftest's ``fresh_capture_state`` (Dynamo and counters reset, ``gc.collect`` stubbed),
+    with a ``gc.collect`` stub in its place that counts: the fixture value lists the calls."""
     calls = []
 
     def collect(generation=2):
@@ -102,24 +95,10 @@ def _equal(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-class Net(nn.Module):
-    """Captured piece, eager region (returns a fresh tensor), captured piece."""
-
-    def __init__(self, width: int = 8):
-        super().__init__()
-        self.a = nn.Linear(width, width)
-        self.b = nn.Linear(width, width)
-
-    def forward(self, x):
-        h = self.a(x)
-        with fxsplit.region(MID):
-            h = torch.relu(h) + 1
-        return self.b(h)
-
-
-def _net(seed: int = 0, grad: bool = False) -> Net:
+def _net(seed: int = 0, grad: bool = False) -> RegionMlp:
+    """:class:`tests.nets.RegionMlp` (width 8, region MID), weights from ``seed``."""
     torch.manual_seed(seed)
-    return Net().eval().requires_grad_(grad)
+    return RegionMlp(region=MID).eval().requires_grad_(grad)
 
 
 def _x(n: int, seed: int) -> torch.Tensor:

@@ -19,8 +19,10 @@ import fxsplit
 from fxsplit import counters
 from fxsplit.models import deepseek_v4 as ds
 from fxsplit.runtime.binding import RUNNER, BindingError
+from tests.nets import KeyFree, RegionMlp
 
 pytestmark = [
+    pytest.mark.usefixtures("fresh_dynamo"),
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device"),
 ]
@@ -30,15 +32,6 @@ PREP_CAPTURED = {"eager_regions": [fxsplit.SPARSE_INDEXER, fxsplit.ATTENTION]}
 METADATA = ("positions", "slot_mapping", "block_table", "seq_lens")
 MID = "eager_mid"
 TOL = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    torch._dynamo.reset()
-    counters.reset()
-    yield
-    torch._dynamo.reset()
-    counters.reset()
 
 
 def _ds_compiled(**options):
@@ -74,22 +67,10 @@ def _prep_pieces(backend) -> list[str]:
     return [p.name for p in backend.plans[0].captured if fxsplit.ATTN_PREP in p.regions]
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(16, 16)
-        self.b = nn.Linear(16, 16)
-
-    def forward(self, x):
-        h = self.a(x)
-        with fxsplit.region(MID):
-            h = torch.relu(h) + 1
-        return self.b(h)
-
-
-def _net() -> Net:
+def _net() -> RegionMlp:
+    """:class:`tests.nets.RegionMlp` (width 16, region MID) on the device, seeded weights."""
     torch.manual_seed(0)
-    return Net().eval().requires_grad_(False).to("cuda")
+    return RegionMlp(width=16, region=MID).eval().requires_grad_(False).to("cuda")
 
 
 def test_v1_default_plan_matches_eager_across_changing_sizes():
@@ -195,17 +176,19 @@ def _(x):
     return torch.empty_like(x)
 
 
-class _SyncNet(Net):
+class _SyncNet(RegionMlp):
+    """:class:`tests.nets.RegionMlp` whose first piece calls ``syncs``: its capture fails."""
+
     def forward(self, x):
         h = torch.ops.fxsplit_cuda.syncs(self.a(x))
-        with fxsplit.region(MID):
-            h = torch.relu(h) + 1
+        with fxsplit.region(self.region):
+            h = self.mid(h)
         return self.b(h)
 
 
 def test_failed_capture_leaves_the_pool_usable_for_every_other_piece():
     torch.manual_seed(0)
-    net = _SyncNet().eval().requires_grad_(False).to("cuda")
+    net = _SyncNet(width=16, region=MID).eval().requires_grad_(False).to("cuda")
     backend = fxsplit.Backend(eager_regions=[MID])
     model = torch.compile(net, backend=backend, dynamic=False, fullgraph=True)
     with torch.no_grad():
@@ -289,23 +272,8 @@ def test_steady_loop_rebinding_the_output_reads_no_stale_value():
     assert counters.snapshot()["replays"] > 0
 
 
-class _KeyFree(nn.Module):
-    """piece_2 reads only a weight: one capture key for every batch size."""
-
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(16, 16))
-
-    def forward(self, x):
-        o0 = (x.t() @ x) * 1.5
-        with fxsplit.region(MID):
-            e = o0.sin()
-        h = ((self.w * 2) * self.w.cos()) * 3
-        return e + h, o0
-
-
 def test_a_piece_out_of_capture_order_is_recaptured_and_matches_eager():
-    net = _KeyFree().to("cuda").requires_grad_(False)
+    net = KeyFree(region=MID).to("cuda")
     backend = fxsplit.Backend(eager_regions=[MID], warmup_runs=0)
     model = torch.compile(net, backend=backend, dynamic=True)
     with torch.no_grad():
