@@ -12,7 +12,7 @@ import torch
 from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind, InputSpec, Refused
-from fxsplit.runtime.entry import Entry, flat
+from fxsplit.runtime.entry import Check, Entry, OutputView, Written, flat
 from fxsplit.runtime.static_buffers import AliasGuard, OwnBuffer
 from fxsplit.runtime.storage import storage_ptr
 
@@ -88,7 +88,7 @@ def capture(piece, key, inputs) -> Entry:
             pool.owners[ptr] = order
             owned.append((id(out), ptr))
     checks = tuple(
-        (i, statics[i], statics[i].data_ptr(), bind, buffers[i])
+        Check(i, statics[i], statics[i].data_ptr(), bind, buffers[i])
         for i, bind in enumerate(binds)
         if bind in (_OWN, _ADDRESS, _PINNED)
     )
@@ -97,7 +97,7 @@ def capture(piece, key, inputs) -> Entry:
     entry.order = order
     entry.owned = tuple(owned)
     entry.written = tuple(
-        (i, statics[i], binds[i], buffers[i])
+        Written(i, statics[i], binds[i], buffers[i])
         for i in written
         if isinstance(statics[i], torch.Tensor)
     )
@@ -157,10 +157,8 @@ def _output_bases(piece, outputs, statics) -> list[int | None]:
 
 
 def _views(piece, outputs, statics, binds, bases) -> tuple:
-    """``(j, i, size, stride, offset, dtype, conj, neg)`` per output that is a view of an
-    OWN input ``i``: eagerly it aliases the caller's tensor, so each replay rebuilds it over
-    that tensor (:func:`rebuild`). ``offset`` counts elements of the output's dtype from
-    the input's start; ``dtype`` is None where the view keeps the input's dtype."""
+    """An :class:`~fxsplit.runtime.entry.OutputView` per output that is a view of an OWN
+    input."""
     views = []
     for j, (out, i) in enumerate(zip(flat(outputs), bases, strict=True)):
         if i is None or binds[i] != _OWN or not isinstance(out, torch.Tensor):
@@ -176,7 +174,7 @@ def _views(piece, outputs, statics, binds, bases) -> tuple:
                 "tensor"
             )
         shape, strides = tuple(out.shape), tuple(out.stride())
-        views.append((j, i, shape, strides, offset, dtype, out.is_conj(), out.is_neg()))
+        views.append(OutputView(j, i, shape, strides, offset, dtype, out.is_conj(), out.is_neg()))
     return tuple(views)
 
 

@@ -179,7 +179,7 @@ class CapturedPiece(torch.nn.Module):
             entry.alias_guard.check(self.specs, inputs)
         statics = entry.statics
         for view in entry.views:
-            i = view[1]
+            i = view.input
             if inputs[i] is not statics[i] and inputs[i].stride() != statics[i].stride():
                 raise Refused(
                     f"an output is a view of input {self.specs[i].name!r}, whose strides differ "

@@ -13,7 +13,7 @@ import torch
 from fxsplit.runtime import binding
 from fxsplit.runtime.binding import Bind
 from fxsplit.runtime.captured import CapturedPiece
-from fxsplit.runtime.entry import Entry
+from fxsplit.runtime.entry import Check, Entry
 
 __all__ = ["CheckedPiece"]
 
@@ -51,6 +51,6 @@ class CheckedPiece(CapturedPiece):
             if spec.kind == binding.RUNNER and context.is_frozen_memory(value):
                 continue  # a view of a parameter or buffer: bound by address, never an error
             if binding.bind(spec, "strict", produced(value)) is Bind.ADDRESS:
-                checks.append((i, value, value.data_ptr(), Bind.ADDRESS, None))
+                checks.append(Check(i, value, value.data_ptr(), Bind.ADDRESS, None))
         self.entries[key] = Entry(key, None, (), None, tuple(checks), (), self.stats.key(key), ())
         return self._uncaptured(inputs, key)

@@ -4,26 +4,60 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from fxsplit.runtime import binding
+from fxsplit.runtime.binding import Bind
 from fxsplit.runtime.stats import StaticAddress
 
 if TYPE_CHECKING:
-    from fxsplit.runtime.static_buffers import AliasGuard
+    from fxsplit.runtime.static_buffers import AliasGuard, OwnBuffer
 
-__all__ = ["Entry", "flat", "key_function", "rebuild"]
+__all__ = ["Check", "Entry", "OutputView", "Written", "flat", "key_function", "rebuild"]
+
+
+class Check(NamedTuple):
+    """An input bound OWN, ADDRESS or PINNED: what each replay checks (or refills) first."""
+
+    index: int  # among the piece's inputs
+    static: torch.Tensor  # what the graph reads
+    ptr: int  # ``static``'s data pointer at capture
+    bind: Bind
+    buffer: OwnBuffer | None  # fxsplit's own buffer, for OWN
+
+
+class Written(NamedTuple):
+    """An input the piece writes: after each replay, an OWN one is copied back to the
+    caller's tensor."""
+
+    index: int
+    static: torch.Tensor
+    bind: Bind
+    buffer: OwnBuffer | None
+
+
+class OutputView(NamedTuple):
+    """An output that views OWN input ``input``: eagerly it aliases the caller's tensor, so
+    each replay rebuilds it over that tensor (:func:`rebuild`)."""
+
+    output: int  # position among the piece's outputs
+    input: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # elements of the output's dtype from the input's start
+    dtype: torch.dtype | None  # None where the view keeps the input's dtype
+    conj: bool
+    neg: bool
 
 
 class Entry:
     """One capture key of a piece: its graph, static buffers, binding table and counters.
 
-    ``checks`` holds ``(i, static, data_ptr, bind, buffer)`` per input bound OWN, ADDRESS or
-    PINNED; ``written`` holds ``(i, static, bind, buffer)`` per input the piece writes;
-    ``views`` holds ``(j, i, size, stride, offset, dtype, conj, neg)`` per output that is a view
-    of OWN input ``i`` (rebuilt over the caller's tensor after each replay); ``shared`` the pairs
+    ``checks`` holds a :class:`Check` per input bound OWN, ADDRESS or PINNED; ``written`` a
+    :class:`Written` per input the piece writes; ``views`` an :class:`OutputView` per output
+    that is a view of an OWN input (hot loops unpack them as tuples); ``shared`` the pairs
     of OWN inputs bound to one shared buffer (the same caller view at capture); ``alias_guard``
     checks shared storage per call (pieces that write an input); ``order`` is the graph's
     capture order in the pool; ``owned`` the ids and data pointers of the outputs in fxsplit's
