@@ -7,9 +7,13 @@ An op may keep what it was handed past the call (EAGLE/MTP-style reuse of the hi
 hook that stores its argument); in eager it would keep that step's values. So an eager piece is
 handed such an output as a *loan*: a fresh tensor, each call, over a storage object of its own
 (one ``StorageImpl`` per pool storage, made once per capture) over the pool's memory, never the
-pool's own tensor. At the start of each step, before any replay can write the pool, a loan over
-which any tensor beyond fxsplit's own views still exists, or whose storage object something
-holds, was kept: its storage moves to memory of its own with that step's values
+pool's own tensor. The tensor handed at the last call is handed again while nothing but fxsplit
+refers to it (no Python reference, no weak reference, no C++ holder of it) and nothing changed
+it in place (its version counter, which in-place metadata changes such as ``t_()`` bump too):
+such a tensor cannot be told from a fresh one. At the start of each step, before any replay can
+write the pool, a loan over which any tensor beyond fxsplit's own views still exists, a handed
+tensor something refers to, or whose storage object something holds, was kept: its storage moves
+to memory of its own with that step's values
 (``UntypedStorage._swap_data_ptr_``), so whatever kept it reads what eager's would, and the
 piece's later loans get a fresh storage. Nothing is counted per call: a loan is found kept from
 its storage's use count and its storage object's references, and a false alarm (a traceback
@@ -26,7 +30,8 @@ its hand-outs: a graph freed, the pool released, a copy into the memory outside 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -37,6 +42,43 @@ __all__ = ["Borrower", "Loans"]
 
 _POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
 _USE_COUNT = torch._C._storage_Use_Count  # tensors (and storage objects) over one storage
+_REFS = sys.getrefcount
+_WEAK_REFS = weakref.getweakrefcount
+
+
+class _Lent:
+    """One pool tensor lent: ``view`` over the loan's storage, and ``handed``, the tensor last
+    handed over it (``detach`` of ``view``), with its version then."""
+
+    __slots__ = ("handed", "source", "version", "view")
+
+    def __init__(self, source: torch.Tensor, view: torch.Tensor):
+        self.source = source
+        self.view = view
+        self.handed: torch.Tensor | None = None
+        self.version = 0
+
+    def hand(self) -> torch.Tensor:
+        """The tensor to hand an eager piece: the last one again where nothing but this
+        record refers to it and nothing changed it, else a fresh one."""
+        handed = self.handed
+        # references: the attribute, the local name, getrefcount's argument
+        if (
+            handed is None
+            or _REFS(handed) != 3
+            or handed._use_count() != 1
+            or handed._version != self.version
+            or _WEAK_REFS(handed)
+        ):
+            handed = self.handed = self.view.detach()
+            self.version = handed._version
+        return handed
+
+    def held(self) -> bool:
+        """Whether something beyond this record refers to the tensor last handed."""
+        handed = self.handed
+        # references: the attribute, the local name, getrefcount's argument
+        return handed is not None and (_REFS(handed) != 3 or handed._use_count() != 1)
 
 
 @dataclass(eq=False)
@@ -50,6 +92,7 @@ class _Loan:
     piece: str
     sources: list
     views: list
+    lent: list = field(default_factory=list)  # a _Lent per source
     storage: torch.UntypedStorage | None = None  # the loan's storage (the one Python object)
     cdata: int = 0
     ref: StorageWeakRef | None = None  # to the loan's storage
@@ -59,22 +102,29 @@ class _Loan:
 def _uses(loan: _Loan) -> int:
     """Every reference to the loan's storage: each tensor over it (what an eager piece was
     handed, any view of that, held by Python or C++ code) holds it once, and its one Python
-    storage object (``t.untyped_storage()`` returns it) counts what holds that."""
-    return _USE_COUNT(loan.cdata) + sys.getrefcount(loan.storage)
+    storage object (``t.untyped_storage()`` returns it) counts what holds that; less the
+    handed tensors fxsplit keeps for the next call."""
+    handed = sum(lent.handed is not None for lent in loan.lent)
+    return _USE_COUNT(loan.cdata) + sys.getrefcount(loan.storage) - handed
+
+
+def _kept(loan: _Loan) -> bool:
+    """Whether anything but fxsplit refers to the loan's memory."""
+    return any(lent.held() for lent in loan.lent) or _uses(loan) != loan.base
 
 
 class Loans:
     """The pool outputs lent to eager pieces (one per pool, shared by its graphs).
 
     Attributes:
-        lent: ``id(pool tensor)`` -> ``(pool tensor, its loan view, the loan storage's
-            cdata)``, read by :class:`Borrower` on every call of an eager piece.
+        lent: ``id(pool tensor)`` -> its :class:`_Lent` record, read by :class:`Borrower` on
+            every call of an eager piece.
         moved: kept loans moved to memory of their own, in all.
     """
 
     def __init__(self, poison: bool):
         self.poison = poison and _POISON is not None
-        self.lent: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self.lent: dict[int, _Lent] = {}
         self._loans: list[_Loan] = []
         self._at: dict[int, _Loan] = {}  # memory address -> its loan
         self.moved = 0
@@ -101,10 +151,9 @@ class Loans:
         loan.views = [view_over(storage, source) for source in loan.sources]
         loan.storage, loan.cdata, loan.ref = storage, storage._cdata, StorageWeakRef(storage)
         del storage
-        # (a comprehension: a loop variable left bound to a view would count in ``base``)
-        self.lent.update(
-            {id(s): (s, v, loan.cdata) for s, v in zip(loan.sources, loan.views, strict=True)}
-        )
+        # (comprehensions: a loop variable left bound to a view would count in ``base``)
+        loan.lent = [_Lent(s, v) for s, v in zip(loan.sources, loan.views, strict=True)]
+        self.lent.update({id(lent.source): lent for lent in loan.lent})
         loan.base = _uses(loan)
 
     def live_refs(self) -> list[StorageWeakRef]:
@@ -118,7 +167,7 @@ class Loans:
         loan where neither is possible (warned about: the next replay overwrites it)."""
         unsafe = []
         for loan in self._loans:
-            if _uses(loan) != loan.base and not self._give_up(loan):
+            if _kept(loan) and not self._give_up(loan):
                 unsafe.append((loan.graph_id, loan.piece))
         return unsafe
 
@@ -131,7 +180,7 @@ class Loans:
         """A copy outside any replay is about to write the memory at ``ptr``: loans over it
         that were kept leave it first."""
         for loan in self._loans:
-            if loan.ptr == ptr and _uses(loan) != loan.base:
+            if loan.ptr == ptr and _kept(loan):
                 self._give_up(loan)
 
     def release(self, order: int | None = None) -> None:
@@ -142,7 +191,7 @@ class Loans:
             if order is not None and loan.order != order:
                 keep.append(loan)
                 continue
-            if _uses(loan) != loan.base:
+            if _kept(loan):
                 self._give_up(loan, refill=False)
             for source in loan.sources:
                 self.lent.pop(id(source), None)
@@ -157,7 +206,7 @@ class Loans:
         model's later writes to it, after a graph break or at the next step, ``x = model(x)``
         writing ``x``). None where no loan of it is kept, or where it cannot move."""
         loan = self._at.get(ptr)
-        if loan is None or _uses(loan) == loan.base or not may_move():
+        if loan is None or not _kept(loan) or not may_move():
             return None
         self.moved += 1
         move_out(loan.cdata)
@@ -191,10 +240,11 @@ def _kept_message(loan: _Loan) -> str:
 
 class Borrower:
     """An eager piece called with loans in place of the pool tensors it reads (see the module
-    docstring): each call gets fresh tensors over the loans' storages (``detach``: an in-place
-    change of their sizes, or a cache keyed on them, never outlives the call, as with eager's
-    new tensor each step). What it returns that is a loan it was handed goes on as the pool's
-    own tensor, so later captured pieces read it where it lies.
+    docstring): each call gets tensors over the loans' storages that no earlier call left
+    changed or referred to (:meth:`_Lent.hand`: an in-place change of their sizes, or a cache
+    keyed on them, never outlives the call, as with eager's new tensor each step). What it
+    returns that is a loan it was handed goes on as the pool's own tensor, so later captured
+    pieces read it where it lies.
 
     Args:
         piece: the eager :class:`~fxsplit.passes.materialise.PieceModule`.
@@ -221,11 +271,11 @@ class Borrower:
         handed = None
         for i in self.positions:
             hit = lent.get(id(args[i]))
-            if hit is not None and hit[0] is args[i]:
+            if hit is not None and hit.source is args[i]:
                 if handed is None:
                     handed, args = {}, list(args)
-                args[i] = view = hit[1].detach()
-                handed[id(view)] = hit[0]
+                args[i] = view = hit.hand()
+                handed[id(view)] = hit.source
         for i in self.views:
             value = args[i]
             loan = self.loans.at(value) if isinstance(value, torch.Tensor) else None
