@@ -74,11 +74,6 @@ class _Lent:
             self.version = handed._version
         return handed
 
-    def held(self) -> bool:
-        """Whether something beyond this record refers to the tensor last handed."""
-        handed = self.handed
-        # references: the attribute, the local name, getrefcount's argument
-        return handed is not None and (_REFS(handed) != 3 or handed._use_count() != 1)
 
 
 @dataclass(eq=False)
@@ -102,15 +97,23 @@ class _Loan:
 def _uses(loan: _Loan) -> int:
     """Every reference to the loan's storage: each tensor over it (what an eager piece was
     handed, any view of that, held by Python or C++ code) holds it once, and its one Python
-    storage object (``t.untyped_storage()`` returns it) counts what holds that; less the
-    handed tensors fxsplit keeps for the next call."""
-    handed = sum(lent.handed is not None for lent in loan.lent)
-    return _USE_COUNT(loan.cdata) + sys.getrefcount(loan.storage) - handed
+    storage object (``t.untyped_storage()`` returns it) counts what holds that."""
+    return _USE_COUNT(loan.cdata) + _REFS(loan.storage)
 
 
 def _kept(loan: _Loan) -> bool:
-    """Whether anything but fxsplit refers to the loan's memory."""
-    return any(lent.held() for lent in loan.lent) or _uses(loan) != loan.base
+    """Whether anything but fxsplit refers to the loan's memory: beyond its own views and
+    the tensors it keeps to hand again (each one reference to the storage), or to one of
+    those tensors."""
+    uses = _uses(loan)
+    for lent in loan.lent:
+        handed = lent.handed
+        if handed is not None:
+            # references: the attribute, the local name, getrefcount's argument
+            if _REFS(handed) != 3 or handed._use_count() != 1:
+                return True
+            uses -= 1
+    return uses != loan.base
 
 
 class Loans:
