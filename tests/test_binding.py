@@ -304,3 +304,35 @@ def test_a_callers_tensor_at_the_address_of_a_dropped_output_is_still_the_caller
         assert _replays(backend) == len(backend.plans[0].captured)  # each piece once
         with pytest.raises(fxsplit.BindingError):
             model(torch.randn(3, 4))
+
+
+class _SoftmaxAttention(nn.Module):
+    """``Linear(D, D)`` (its parameters require grad), softmax in the ATTENTION region, ``* 2``."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.a(x)
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.softmax(-1)
+        return h * 2
+
+
+def test_strict_binding_checked_with_capture_off_counts_the_grad_refusal_and_warns_nothing():
+    """Found by a hunt: with capture off nothing was going to be captured, so grad enabled (a
+    parameter requires grad) is counted as the refusal it would be, never warned about (it
+    was, with strict binding)."""
+    net = _SoftmaxAttention()
+    backend = fxsplit.Backend(capture="off", runner="v2")
+    model = torch.compile(net, backend=backend)
+    x = torch.randn(4, D)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            assert torch.equal(model(x), net(x))
+    pieces = [p for graph in backend.stats.values() for p in graph.values()]
+    refused = [why for p in pieces for why in p["refused"]]
+    assert refused and all("grad is enabled" in why for why in refused), backend.stats

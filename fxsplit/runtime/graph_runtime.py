@@ -299,6 +299,8 @@ class GraphRuntime:
                 )
             for piece in self.pieces:
                 piece.stats.refusals[_GRAD] += 1
+            if self.checking:  # capture off: nothing was going to be captured
+                return False
             self._warn_once(
                 "grad",
                 f"fxsplit {self.graph_id}: {_GRAD}, so pieces run uncaptured (a replay returns "
