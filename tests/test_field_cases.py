@@ -478,3 +478,71 @@ def test_held_output_handed_back_as_next_input_is_read_before_it_is_overwritten(
             prev_e, prev_c = f(x, prev_e), model(x, prev_c)
             assert torch.equal(prev_c, prev_e), step
     assert counters.snapshot()["replays"] > 0
+
+
+_INNER = {}
+
+
+@torch.library.custom_op("fxsplit_field::inner", mutates_args=())
+def _inner(x: torch.Tensor, calls: int) -> torch.Tensor:
+    """An eager splitting op that runs another compiled model (``_INNER["fn"]``) ``calls``
+    times."""
+    for _ in range(calls):
+        x = _INNER["fn"](x).clone()
+    return x
+
+
+@_inner.register_fake
+def _(x, calls):
+    return torch.empty_like(x)
+
+
+class _Inner(torch.nn.Module):
+    def forward(self, x):
+        y = (x * 2).sin()
+        return ((y * 3).cos() + y).tanh() + 1
+
+
+class _Outer(torch.nn.Module):
+    """Linear and sin, the inner model through ``fxsplit_field::inner``, Linear: the first
+    piece's outputs are live while the inner model runs."""
+
+    def __init__(self, calls):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.calls = calls
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.a(x).sin()
+        u = (h * 1.5).exp()
+        return self.b(h) + torch.ops.fxsplit_field.inner(u, self.calls) + u
+
+
+@pytest.mark.filterwarnings("ignore:fxsplit. splitting_ops pattern:fxsplit.FxsplitWarning")
+@pytest.mark.parametrize("calls", [1, 2])
+def test_a_model_called_inside_another_models_eager_piece_on_one_backend_keeps_capture_order(
+    calls,
+):
+    """Found by a hunt: the inner model, captured first (lower capture order), called inside
+    the outer model's eager piece on the same backend, started a new step, so its replay went
+    out of capture order over the outer first piece's live outputs (wrong by 2.1, no warning).
+    A call inside another is part of its step."""
+    backend = fxsplit.Backend(
+        capture="emulate", splitting_ops=["fxsplit_field::inner"], eager_regions=[]
+    )
+    inner = torch.compile(_Inner(), backend=backend)
+    outer = torch.compile(_Outer(calls), backend=backend)
+    with torch.no_grad():
+        _INNER["fn"] = inner
+        for step in range(3):  # the inner model captures first
+            torch.ops.fxsplit_field.inner(_data((8, 16), step), 1)
+        eager = _Outer(calls)
+        for step in range(6):
+            x = _data((8, 16), 10 + step)
+            _INNER["fn"] = _Inner()
+            want = eager(x)
+            _INNER["fn"] = inner
+            assert torch.equal(outer(x), want), step
+    assert_replayed(backend)

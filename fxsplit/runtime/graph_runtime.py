@@ -231,13 +231,16 @@ class GraphRuntime:
         session = self.session
         session.own(self.graph_id)
         try:
-            return self._call(session, args)
+            session.begin_call(self, self._entered)
+            try:
+                return self._call(session, args)
+            finally:
+                session.end_call()
         finally:
             session.disown()
 
     def _call(self, session: CaptureSession, args: tuple):
         self._steps += 1
-        session.begin_call(self, self._entered)
         pool = self.pool
         if pool is not None:
             pool.ledger.check_inputs(args, self.graph_id)

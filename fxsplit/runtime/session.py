@@ -53,6 +53,7 @@ class CaptureSession:
         self.step = 0
         self.pools: dict[tuple[str, torch.device], MemoryPool] = {}
         self._called: set[int] = set()  # graphs called in this step
+        self._calls = 0  # graph calls under way (more than one: a call inside another's)
         # graph -> its last call's outputs: storage -> (weak reference, graph id, position)
         self._outputs: dict[int, dict[int, tuple[StorageWeakRef, str, int]]] = {}
         # graph -> the outputs of its calls that are still alive, in the same form; kept when
@@ -102,8 +103,12 @@ class CaptureSession:
 
     def begin_call(self, graph: object, entered: bool) -> None:
         """``graph`` is called; ``entered``: it was compiled from the frame the caller
-        entered."""
-        if entered or id(graph) in self._called:
+        entered. A call inside another graph's call (a compiled model called by an eager
+        piece's op) is part of that call's step: a new step would let its graph replay out of
+        capture order over the outer graph's live outputs."""
+        nested = self._calls > 0
+        self._calls += 1
+        if not nested and (entered or id(graph) in self._called):
             self.step += 1
             self._called.clear()
             for pool in self.pools.values():
@@ -113,6 +118,10 @@ class CaptureSession:
                 for kept in pool.ledger.loans.settle():
                     self.warn_kept(*kept)
         self._called.add(id(graph))
+
+    def end_call(self) -> None:
+        """The call :meth:`begin_call` began returned or raised."""
+        self._calls -= 1
 
     def _warn_held(self, pool: MemoryPool) -> None:
         held = pool.ledger.held_stale()
