@@ -546,3 +546,40 @@ def test_a_model_called_inside_another_models_eager_piece_on_one_backend_keeps_c
             _INNER["fn"] = inner
             assert torch.equal(outer(x), want), step
     assert_replayed(backend)
+
+
+class _Relayouts(torch.nn.Module):
+    """A captured piece's output ``h`` (square, not symmetric), its layout changed in place
+    (``h.t_()``) inside the ATTENTION region or outside any, then read by a captured piece."""
+
+    def __init__(self, in_region: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.in_region = in_region
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        h = self.a(x).relu() + torch.arange(8)
+        with fxsplit.region(fxsplit.ATTENTION):
+            g = h.softmax(-1)
+            if self.in_region:
+                h.t_()
+        if not self.in_region:
+            h.t_()
+        return self.b(h) + g
+
+
+@pytest.mark.parametrize("in_region", [True, False], ids=["in_eager_region", "outside"])
+def test_a_captured_output_whose_layout_an_op_changes_in_place_reads_as_in_eager(in_region):
+    """Found by a hunt: the layout change reached only the alias an eager piece was lent (in a
+    region), or flipped the captured graph's own output object at every step (outside): wrong
+    by 4.8, no warning. An in-place layout change runs eagerly (a replay runs kernels, never a
+    size or stride change), and later pieces read what it returned."""
+    eager = _Relayouts(in_region)
+    model, backend = _compile(_Relayouts(in_region))
+    with torch.no_grad():
+        for step in range(6):
+            x = _data((8, 8), step)
+            assert torch.equal(model(x), eager(x)), step
+    assert_replayed(backend)

@@ -91,7 +91,9 @@ REDUCE = ("sum", "mean", "amax", "sum0", "softmax")
 VIEWS = ("rt", "tt", "flat", "us", "perm")
 INPLACE = ("mul_", "add_", "clamp_", "sin_", "setitem")
 SIZE_USES = ("reshape", "new_ones", "scale", "expand")
-METADATA_CHANGES = ("t_", "transpose_", "as_strided_", "unsqueeze_")
+# the last: the register itself, perhaps another piece's output or a caller's tensor, read
+# after it in its new layout (by later pieces too)
+METADATA_CHANGES = ("t_", "transpose_", "as_strided_", "unsqueeze_", "relayout_")
 STORES = ("dict", "attr", "hook")
 # What the program does with the model's own state (a (D,) buffer kept between calls): read it,
 # write it in place (whole, through a slice view), or rebind it to a new tensor.
@@ -401,6 +403,14 @@ class Interp(nn.Module):
             _write_through(WRITE_VIEWS[ins[1]](t), src[:, 0] * 0.5 + 1, ins[2])
         elif kind == "alias":
             regs.append(ALIAS_VIEWS[ins[1]](regs[ins[2] % n]))
+        elif kind == "meta" and ins[1] == "relayout_":
+            # its memory read column-major where it was row-major, or the other way round
+            r = regs[ins[2] % n]
+            b = r.shape[0]
+            if r.stride() == (D, 1):
+                r.as_strided_((b, D), (1, b))
+            elif r.stride() == (1, b):
+                r.as_strided_((b, D), (D, 1))
         elif kind == "meta":
             # an in-place metadata change of an intermediate, then a kernel reading it
             t = regs[ins[2] % n] * 1.5

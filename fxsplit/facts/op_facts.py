@@ -308,6 +308,8 @@ class _Facts:
         writes: the op may write an argument: an in-place op (``add_``, ``index_put_``) has no
             overload that leaves its arguments alone, where a functional one's only writing
             overloads are its ``out=`` forms; unknown ops may.
+        inplace_view: every overload is tagged ``inplace_view``: it changes its first
+            argument's sizes, strides or storage in place and returns it.
     """
 
     refuses_capture: bool
@@ -315,10 +317,11 @@ class _Facts:
     view: bool
     random: bool
     writes: bool
+    inplace_view: bool
 
 
 _BY_NAMES: dict[tuple[str, str | None], _Facts] = {}
-_NO_OP = _Facts(False, False, False, False, False)
+_NO_OP = _Facts(False, False, False, False, False, False)
 
 
 def _facts(node: Node) -> _Facts:
@@ -344,6 +347,7 @@ def _facts(node: Node) -> _Facts:
             for op in overloads
             if not any(a.is_out for a in op._schema.arguments)
         ),
+        inplace_view=bool(overloads) and all(torch.Tag.inplace_view in op.tags for op in overloads),
     )
     return found
 
@@ -378,6 +382,8 @@ def unsafe(node: Node) -> str | None:
 
     Unsafe: ops whose tags refuse capture (``cudagraph_unsafe``, ``dynamic_output_shape``,
     ``data_dependent_output``; a packet or Tensor method when any of its overloads does),
+    in-place layout changes (:func:`changes_layout`: a graph replays kernels, never a change of
+    a tensor's sizes or strides, and it hands out the same tensor objects at every replay),
     pinned allocation, Python-level host reads (:data:`HOST_READS`) and ``synchronize``.
     Decided from the target alone; the mark pass adds the node-level rules (unbacked sizes,
     work on host tensors in a graph on a GPU).
@@ -389,7 +395,9 @@ def unsafe(node: Node) -> str | None:
         python_level = callable_ in HOST_READS or callable_ in _SYNC_CALLABLES
     except TypeError:  # an unhashable target
         python_level = False
-    return op_name(node) if python_level or _facts(node).refuses_capture else None
+    facts = _facts(node)
+    refused = python_level or facts.refuses_capture or facts.inplace_view
+    return op_name(node) if refused else None
 
 
 def is_allocation(node: Node) -> bool:
@@ -492,6 +500,15 @@ def writes_out(node: Node) -> bool:
     ``torch.cat(xs, out=buf)``): it writes ``buf`` whatever its op's functional overloads say
     (a node with a torch function or Tensor method as its target names no overload)."""
     return node.kwargs.get("out") is not None
+
+
+def changes_layout(node: Node) -> bool:
+    """Whether the op ``node`` calls changes its first argument's sizes, strides or storage in
+    place and returns it: every overload is tagged ``torch.Tag.inplace_view`` (``t_``,
+    ``transpose_``, ``unsqueeze_``, ``as_strided_``, ``resize_``, ``set_``)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    return _facts(node).inplace_view
 
 
 def may_write(node: Node, dispatch: bool = False) -> bool:

@@ -12,6 +12,12 @@ Two rules, both needed before partitioning:
   then gives both one kind, so no eager piece ever runs between a collective and its wait (a
   captured collective whose wait ran in another piece would be replayed unwaited, and a wait
   left behind an eager piece could order collectives differently from eager on some rank).
+- A tensor whose layout an op changes in place (``h.t_()``, ``unsqueeze_``, ``as_strided_``:
+  :func:`fxsplit.facts.op_facts.changes_layout`) is read after it through that op's node, which
+  returns the same tensor: a piece boundary after the op then hands on what the op returned, the
+  changed tensor. Dynamo's graph reads the tensor's first node instead, which in one graph is the
+  same object, but across pieces is what the producing piece returned: an eager piece handed a
+  loan changes the loan's alias, never the captured piece's own output.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fxsplit.collectives import is_collective_node, is_wait_node
+from fxsplit.facts.op_facts import changes_layout
 
 
 def is_size(node: Node) -> bool:
@@ -54,10 +61,20 @@ def waited_collective(node: Node) -> Node | None:
 
 
 def normalise(graph: Graph) -> None:
-    """Apply the three rules to ``graph`` in place."""
+    """Apply the four rules to ``graph`` in place."""
     anchors: dict[Node, Node] = {}
     sizes: list[Node] = []
-    for node in graph.nodes:
+    changed: dict[Node, Node] = {}  # a tensor's node -> the last op that changed its layout
+    for node in list(graph.nodes):
+        if changed:
+            for value in node.all_input_nodes:
+                if value in changed:
+                    node.replace_input_with(value, changed[value])
+        if changes_layout(node) and node.args and isinstance(node.args[0], Node):
+            for value, last in list(changed.items()):
+                if last is node.args[0]:
+                    changed[value] = node
+            changed[node.args[0]] = node
         if is_multi_output_getitem(node):
             producer = node.args[0]
             anchor = anchors.get(producer, producer)

@@ -75,7 +75,6 @@ class _Lent:
         return handed
 
 
-
 @dataclass(eq=False)
 class _Loan:
     """One pool storage lent out: ``views[i]`` is ``sources[i]`` (a pool tensor) over a storage
@@ -294,7 +293,18 @@ class Borrower:
 
 def _returned(out, handed: dict):
     """``out`` with each loan view the piece was handed (``handed``: ``id`` -> the pool
-    tensor it stands for) back as that pool tensor."""
+    tensor it stands for) back as that pool tensor, or as a view of it where the piece changed
+    the loan view's layout in place (``h.t_()``: the later pieces read what it returned)."""
     if isinstance(out, tuple):
-        return tuple(handed.get(id(v), v) if isinstance(v, torch.Tensor) else v for v in out)
-    return handed.get(id(out), out) if isinstance(out, torch.Tensor) else out
+        return tuple(_back(v, handed) if isinstance(v, torch.Tensor) else v for v in out)
+    return _back(out, handed) if isinstance(out, torch.Tensor) else out
+
+
+def _back(value: torch.Tensor, handed: dict) -> torch.Tensor:
+    source = handed.get(id(value))
+    if source is None:
+        return value
+    size, stride, offset = value.size(), value.stride(), value.storage_offset()
+    if size == source.size() and stride == source.stride() and offset == source.storage_offset():
+        return source
+    return source.as_strided(size, stride, offset)
