@@ -598,9 +598,12 @@ def call_opaque(fn: Callable, args: tuple) -> Any:
     graph = getattr(_tls, "active", None)
     if graph is None or graph._recorder is None:
         return fn(*args)
+    # Recorded with the recorder off, as from its own __torch_dispatch__: moving the results
+    # into the pool allocates (a new segment's torch.empty, the copy), and with the recorder on
+    # those became ops of the capture, the segment's memory a block of the pool itself.
     with torch.utils._python_dispatch._disable_current_modes():
         out = fn(*args)
-    return graph._recorder._record(fn, args, {}, out)
+        return graph._recorder._record(fn, args, {}, out)
 
 
 class _HostReadGuard(TorchFunctionMode):
