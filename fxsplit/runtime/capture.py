@@ -61,6 +61,8 @@ def capture(piece, key, inputs) -> Entry:
         if buffer is not None and buffer.static is not inputs[i] and buffer.mark is None:
             buffer.remember(session, inputs[i])
     graph = pool.new_graph(piece.generators)
+    if context.mode == "emulate":
+        graph.label = f"{context.graph_id} {piece.name}"
     # The emulator runs the piece while recording; if the capture then fails, the fallback
     # run must find what the piece writes as it was (a CUDA capture executes nothing).
     emulated = context.mode == "emulate"

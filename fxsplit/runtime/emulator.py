@@ -784,6 +784,7 @@ class EmulatedGraph:
 
     def __init__(self, pool: EmulatedPool | None = None) -> None:
         self.pool = pool if pool is not None else EmulatedPool()
+        self.label: str | None = None  # what it captures, in leak reports (Block.made_by)
         self._steps: tuple[tuple, ...] | None = None
         self._actions: tuple[tuple[str, str], ...] = ()
         self._addresses: tuple[tuple[torch.UntypedStorage, int], ...] = ()
@@ -822,7 +823,7 @@ class EmulatedGraph:
         self._handles = {}
         recorder = self._recorder = _Recorder(self)
         _tls.active = self
-        self.pool.capture_begin()
+        self.pool.capture_begin(self.label)
         try:
             with _patched_syncs(), _HostReadGuard(self), recorder:
                 result = fn(*args, **kwargs)
