@@ -1,5 +1,6 @@
 """Shared pytest configuration: hypothesis profiles for tests/test_property.py, the ``slow``
-marker of the modules left out of the quick subset, and the ``fresh_capture_state`` fixture.
+marker of the modules left out of the quick subset, the ``fresh_capture_state`` fixture, and the
+teardown check that no test leaves fxsplit's pool memory in use (:func:`pytest_runtest_teardown`).
 
 ``HYPOTHESIS_PROFILE`` selects one: ``ci`` (default; 200 examples, derandomized so CI is
 deterministic) or ``long`` (10,000 random examples, or ``HYPOTHESIS_MAX_EXAMPLES``, for a soak
@@ -12,6 +13,7 @@ modules then skip (``scripts/check_bare_env.sh`` checks that in CI).
 
 import gc
 import os
+import sys
 
 import pytest
 
@@ -103,3 +105,93 @@ def fresh_dynamo():
     yield
     torch._dynamo.reset()
     counters.reset()
+
+
+# -- the teardown check -------------------------------------------------------------------------
+#
+# After every test, nothing of the memory pools the test made may still be in use once its
+# compiled models are gone (PyTorch's cudagraph-trees tests assert the same of their pools): no
+# output handed out or lent still referenced while the sessions are open, and, after
+# ``torch._dynamo.reset()``, no allocated block in an emulated pool and no dropped pool's memory
+# still held. Memory still in use then was kept past the test: by fxsplit (a cache holding a
+# reference: a leak for the rest of the process) or by the test (which says so with
+# ``@pytest.mark.keeps_pool_memory(reason)``). See fxsplit/runtime/live.py.
+
+_collect = gc.collect  # fresh_capture_state stubs it out for the test's duration
+_SINCE = pytest.StashKey[tuple]()  # the pool serial numbers when the test began
+_RAISED = pytest.StashKey[bool]()
+
+
+def _live():
+    """fxsplit.runtime.live, once fxsplit's runtime is imported (before that, no pool exists)."""
+    if "fxsplit.runtime.pool" not in sys.modules:
+        return None
+    from fxsplit.runtime import live
+
+    return live
+
+
+def pytest_runtest_setup(item):
+    """Remember which pools exist already: the check asks only about the test's own."""
+    live = _live()
+    item.stash[_SINCE] = live.serials() if live is not None else (0, 0)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Note a test that raised (failed, xfailed, errored in setup): its traceback holds its
+    frames, and their locals the test's tensors, until the report is gone; nothing is checked."""
+    report = yield
+    if report.when in ("setup", "call") and (not report.passed or hasattr(report, "wasxfail")):
+        item.stash[_RAISED] = True
+    return report
+
+
+def kept_pool_memory(since=(0, 0), kinds=("hand-out", "loan", "block", "outliving")) -> list:
+    """What :func:`fxsplit.runtime.live.live_memory` finds of ``kinds`` in the pools made
+    after ``since``, once garbage is collected: a reference cycle (a module and its hooks)
+    keeps what it holds until a collection, which is no leak. Collecting costs ~0.3 s with
+    torch loaded, so a generation-1 collection comes first and a full one only when that left
+    something."""
+    from fxsplit.runtime.live import live_memory
+
+    found = [m for m in live_memory(since) if m.kind in kinds]
+    for generation in (1, 2):
+        if not found:
+            break
+        _collect(generation)
+        found = [m for m in live_memory(since) if m.kind in kinds]
+    return found
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The teardown check (see above): hand-outs and loans before the fixtures' teardown (their
+    ``torch._dynamo.reset()`` moves any that is held to memory of its own), the pools' blocks
+    after it (resetting Dynamo here too where a test left graphs compiled)."""
+    live = _live()
+    check = (
+        live is not None
+        and not item.stash.get(_RAISED, False)
+        and item.get_closest_marker("keeps_pool_memory") is None
+        and live.serials() != item.stash.get(_SINCE, (0, 0))
+    )
+    since = item.stash.get(_SINCE, (0, 0))
+    handed = kept_pool_memory(since, ("hand-out", "loan")) if check else []
+    result = yield
+    if not check:
+        return result
+    blocks = [m for m in live.live_memory(since) if m.kind in ("block", "outliving")]
+    if blocks:
+        import torch
+
+        torch._dynamo.reset()
+        blocks = kept_pool_memory(since, ("block", "outliving"))
+    if handed or blocks:
+        pytest.fail(
+            "fxsplit pool memory still in use after the test (kept past its end: a leak, or "
+            "@pytest.mark.keeps_pool_memory(reason)):\n"
+            + "\n".join(f"  {m}" for m in handed + blocks),
+            pytrace=False,
+        )
+    return result

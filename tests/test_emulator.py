@@ -110,6 +110,21 @@ def test_results_of_one_opaque_call_that_view_one_another_still_do():
     assert torch.equal(h, torch.full((3, 3), 4.0)) and torch.equal(half, torch.full((3, 2), 4.0))
 
 
+def test_an_opaque_units_results_move_into_the_pool_unrecorded():
+    """Moving an opaque unit's results into the pool allocates (the pool's first segment, the
+    copy); that ran with the recorder on, so the segment's torch.empty became an op of the
+    capture and its memory a block of the pool: a 20 MiB segment made to hold the 2 MiB one,
+    held by the pool for ever (the teardown check found it: a dropped graph's memory still
+    in use)."""
+    x = torch.ones(3, 3)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: call_opaque(lambda u: u * 2, (t,)), x)
+    assert len(g.pool.segments) == 1 and g.pool.allocated_bytes == 512
+    x.fill_(3.0)
+    g.replay()
+    assert torch.equal(out, torch.full((3, 3), 6.0))
+
+
 def test_host_scalar_is_frozen_at_capture():
     cfg = {"n": 3}
     x = torch.arange(4.0)

@@ -16,9 +16,13 @@ import torch
 
 import fxsplit
 from fxsplit.runtime import captured as captured_module
+from fxsplit.runtime import emulated_pool
 from fxsplit.runtime.binding import Refused as _Refused
+from fxsplit.runtime.emulator import EmulatedGraph
 from fxsplit.runtime.graph_runtime import GraphRuntime
+from fxsplit.runtime.live import serials
 from fxsplit.runtime.pool import MemoryPool
+from tests.conftest import _collect, kept_pool_memory
 from tests.nets import KeyFree
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
@@ -99,3 +103,74 @@ def test_a_piece_captured_a_step_after_the_pieces_after_it_is_recaptured_in_orde
     assert wrong == [] and _count(backend, "reorders") >= 1 and _count(backend, "replays") > 0
     wrong, _ = _run(KeyFree, calls, ordered=False, late=late)
     assert wrong, "the emulated pool no longer reproduces the out-of-order overwrite"
+
+
+# -- the teardown check (tests/conftest.py) and what it found --------------------------------
+
+# Outside any test's frame: what is appended here outlives the test body, as a cache would.
+_KEPT: list = []
+
+
+def _keep_a_handed_out_output():
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=0)
+    compiled = torch.compile(KeyFree(), backend=backend, dynamic=True)
+    with torch.no_grad():
+        for seed in range(3):
+            out = compiled(_x(4, seed))
+    _KEPT.append(out[0])
+
+
+def test_the_teardown_check_reports_an_output_kept_past_the_test():
+    """The check sees a hand-out a module-level list keeps (while the session is open), and
+    the pool memory a dropped graph's kept output still holds (once its pool is gone); both
+    clear once the list lets go, so this test's own teardown check passes."""
+    since = serials()
+    _keep_a_handed_out_output()
+    found = kept_pool_memory(since, ("hand-out", "loan"))  # (its graphs' blocks are live)
+    assert [m.kind for m in found] == ["hand-out"], found
+    assert "graph_0 output 0" in str(found[0])
+    _KEPT.clear()
+    assert kept_pool_memory(since, ("hand-out", "loan")) == []
+
+    since = serials()  # (the compiled graphs' pools stay until the fixture resets Dynamo)
+    graph = EmulatedGraph()
+    _KEPT.append(graph.capture(lambda t: t * 2, torch.ones(8)))
+    del graph
+    found = kept_pool_memory(since, ("block", "outliving"))
+    assert [m.kind for m in found] == ["outliving"], found
+    _KEPT.clear()
+    assert kept_pool_memory(since, ("block", "outliving")) == []
+
+
+def test_a_pool_dropped_in_a_reference_cycle_keeps_the_weak_references_it_reads(monkeypatch):
+    """A memory pool collected as part of a cycle: its finalizer keeps the emulator's memory
+    alive for a hand-out still held, through the ledger's weak references. Under ``__del__``
+    every finalizer of the cycle ran first, the weak references' too: the pool then kept
+    references already released, which read freed ``StorageImpl`` memory (a dropped pool's
+    segments kept for ever, or never, at random; the teardown check's one failure that
+    appeared only under pytest's warnings plugin, whose allocations reused that memory)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    freed = []
+    free = torch.Storage._free_weak_ref
+
+    def recording(cdata):
+        freed.append(cdata)
+        return free(cdata)
+
+    monkeypatch.setattr(torch.Storage, "_free_weak_ref", staticmethod(recording))
+    assert StorageWeakRef(torch.ones(1).untyped_storage())._free_weak_ref is recording
+    pool = MemoryPool("emulate", torch.device("cpu"))
+    out = pool.new_graph().capture(lambda t: t * 2, torch.ones(D))
+    handed = pool.ledger.hand_out(out, {}, 1, 0, "graph_x", 0)
+    cdata = handed.untyped_storage()._cdata
+    freed.clear()  # (a freed StorageImpl's address is soon another's: the check above's)
+    pool.cycle = pool
+    del pool, out
+    _collect()  # the real one: fresh_capture_state stubs gc.collect out
+    assert cdata not in freed  # the hand-out's weak reference is still held, and valid
+    kept = [k for k in emulated_pool._OUTLIVING if any(r.cdata == cdata for r in k.refs)]
+    assert len(kept) == 1 and kept[0].alive
+    assert torch.equal(handed, torch.full((D,), 2.0))
+    del handed
+    assert not kept[0].alive

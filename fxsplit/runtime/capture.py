@@ -60,6 +60,8 @@ def capture(piece, key, inputs) -> Entry:
         if buffer is not None and buffer.static is not inputs[i] and buffer.mark is None:
             buffer.remember(session, inputs[i])
     graph = pool.new_graph(piece.generators)
+    if context.mode == "emulate":
+        graph.label = f"{context.graph_id} {piece.name}"
     session.collect_once()
     try:
         outputs = graph.capture_piece(

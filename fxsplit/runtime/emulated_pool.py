@@ -24,12 +24,13 @@ splits a relocated tensor into vector lanes exactly as it splits a fresh one.
 from __future__ import annotations
 
 import bisect
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["Block", "EmulatedPool"]
+__all__ = ["Block", "EmulatedPool", "Outliving"]
 
 _ROUND = 512  # the caching allocator's minimum block size (bytes)
 _SMALL = 1 << 20  # requests up to this size come from small segments
@@ -38,9 +39,47 @@ _LARGE_SEGMENT = 20 << 20
 _LARGE_ROUND = 2 << 20  # large segments beyond _LARGE_SEGMENT are rounded to this
 
 
-# Segments of dropped pools that the model still holds tensors over, with weak references to
-# those tensors' storages; released when a new pool is made and they are all gone.
-_OUTLIVING: list[tuple[list, list[StorageWeakRef]]] = []
+@dataclass(eq=False)
+class Outliving:
+    """The segments of a dropped pool that the model still holds tensors over.
+
+    Attributes:
+        segments: the pool's segments (they own its memory).
+        refs: weak references to the storages of the tensors that hold them.
+        serial: the dropped pool's :attr:`EmulatedPool.serial`.
+        made_by: who allocated the blocks still allocated when it went (see
+            :attr:`Block.made_by`).
+    """
+
+    segments: list
+    refs: list[StorageWeakRef]
+    serial: int
+    made_by: tuple[str, ...] = ()
+
+    @property
+    def alive(self) -> bool:
+        return not all(r.expired() for r in self.refs)
+
+
+# Segments of dropped pools that the model still holds tensors over; released when a new pool is
+# made and they are all gone.
+_OUTLIVING: list[Outliving] = []
+
+
+def _outlive(segments: list, allocated: set, serial: int, held=()) -> None:
+    """Keep ``segments`` alive while a block of ``allocated`` or a storage of ``held`` is.
+    Nothing is copied: this may run inside garbage collection."""
+    blocks = [b for b in allocated if b.ref is not None and not b.ref.expired()]
+    live = [b.ref for b in blocks] + [ref for ref in held if not ref.expired()]
+    if live:
+        made_by = tuple(sorted({b.made_by for b in blocks if b.made_by is not None}))
+        _OUTLIVING.append(Outliving(segments, live, serial, made_by))
+
+
+# Every pool alive, and the serial number of the last one made: a test's teardown asks which pools
+# it made that still hold memory (fxsplit.runtime.live).
+_POOLS: weakref.WeakSet[EmulatedPool] = weakref.WeakSet()
+_SERIAL = 0  # the last pool's serial number
 
 
 @dataclass(eq=False)
@@ -64,6 +103,7 @@ class Block:
     size: int
     ref: StorageWeakRef | None = None
     record: torch.UntypedStorage | None = None
+    made_by: str | None = None  # the capture that allocated it (EmulatedPool.capture_begin)
 
     @property
     def ptr(self) -> int:
@@ -80,13 +120,24 @@ class EmulatedPool:
     Attributes:
         device: the device of every segment (the CPU).
         segments: the segments allocated so far; never released while the pool lives.
+        serial: this pool's number among the pools of the process (1 for the first).
     """
 
     def __init__(self, device: torch.device | str = "cpu"):
-        _OUTLIVING[:] = [(s, refs) for s, refs in _OUTLIVING if not all(r.expired() for r in refs)]
+        _OUTLIVING[:] = [kept for kept in _OUTLIVING if kept.alive]
+        global _SERIAL
+        _SERIAL += 1
+        self.serial = _SERIAL
+        _POOLS.add(self)
         self.device = torch.device(device)
+        self._label: str | None = None  # who allocates during the capture under way
         self.segments: list[_Segment] = []
         self._allocated: set[Block] = set()
+        # A finalizer, not __del__: what it reads (the blocks and their weak references) stays
+        # reachable from weakref.finalize's registry, so a garbage collection that finds the
+        # pool in a reference cycle never finalizes them first (see outlive).
+        self._gone = weakref.finalize(self, _outlive, self.segments, self._allocated, self.serial)
+        self._gone.atexit = False
         self._by_storage: dict[int, Block] = {}  # program storage cdata -> its block
         self._recent: list[Block] = []  # allocated during the capture under way
         # free blocks per size class, ordered by (size, sequence number)
@@ -111,6 +162,7 @@ class EmulatedPool:
         if stale is not None:  # a dead storage's address, reused for this one
             self._reclaim([stale])
         block.ref = StorageWeakRef(storage)
+        block.made_by = self._label
         block.record = torch._C._construct_storage_from_data_pointer(block.ptr, self.device, nbytes)
         self._by_storage[storage._cdata] = block
         self._allocated.add(block)
@@ -146,25 +198,37 @@ class EmulatedPool:
             return None
         return view_over(block.record, tensor)
 
-    def capture_begin(self) -> None:
-        """Free the blocks whose program storage died since the last capture."""
+    def capture_begin(self, label: str | None = None) -> None:
+        """Free the blocks whose program storage died since the last capture; the capture's
+        blocks are ``label``'s (:attr:`Block.made_by`: a leak report names the piece)."""
         self._reclaim(list(self._allocated))
         self._recent = []
+        self._label = label
 
     def capture_end(self) -> None:
         """Free the capture's blocks that died (its scratch); the rest stay allocated."""
         self._reclaim(self._recent)
         self._recent = []
+        self._label = None
 
     def outlive(self, held=()) -> None:
-        """The pool is going: if the model still holds a tensor over its memory (a block's
-        program storage, or a storage among ``held``, weak references), its segments stay
-        alive until every one of them is gone, as a CUDA tensor keeps its block. Nothing is
-        copied: this runs inside garbage collection, where storages may be half torn down."""
-        live = [b.ref for b in self._allocated if b.ref is not None and not b.ref.expired()]
-        live += [ref for ref in held if not ref.expired()]
-        if live:
-            _OUTLIVING.append((self.segments, live))
+        """The pool is going (its owner's finalizer, :class:`~fxsplit.runtime.pool.MemoryPool`):
+        if the model still holds a tensor over its memory (a block's program storage, or a
+        storage among ``held``, weak references), its segments stay alive until every one of
+        them is gone, as a CUDA tensor keeps its block. A pool nobody calls this for does the
+        same for its blocks when it is dropped (a graph's private pool).
+
+        ``held`` must not be finalized yet: a ``StorageWeakRef`` whose ``__del__`` ran has
+        released its weak reference, and reading it reads a freed ``StorageImpl`` (a cycle
+        collection runs every finalizer of the cycle before any object is freed, in no set
+        order; hence finalizers, whose arguments stay reachable, rather than ``__del__``)."""
+        self._gone.detach()
+        _outlive(self.segments, self._allocated, self.serial, held)
+
+    def allocated_blocks(self) -> list[Block]:
+        """The allocated blocks (after freeing the dead ones), in no particular order."""
+        self._reclaim(list(self._allocated))
+        return list(self._allocated)
 
     @property
     def allocated_bytes(self) -> int:

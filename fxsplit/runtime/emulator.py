@@ -602,9 +602,12 @@ def call_opaque(fn: Callable, args: tuple) -> Any:
     graph = getattr(_tls, "active", None)
     if graph is None or graph._recorder is None:
         return fn(*args)
+    # Recorded with the recorder off, as from its own __torch_dispatch__: moving the results
+    # into the pool allocates (a new segment's torch.empty, the copy), and with the recorder on
+    # those became ops of the capture, the segment's memory a block of the pool itself.
     with torch.utils._python_dispatch._disable_current_modes():
         out = fn(*args)
-    return graph._recorder._record(fn, args, {}, out)
+        return graph._recorder._record(fn, args, {}, out)
 
 
 class _HostReadGuard(TorchFunctionMode):
@@ -785,6 +788,7 @@ class EmulatedGraph:
 
     def __init__(self, pool: EmulatedPool | None = None) -> None:
         self.pool = pool if pool is not None else EmulatedPool()
+        self.label: str | None = None  # what it captures, in leak reports (Block.made_by)
         self._steps: tuple[tuple, ...] | None = None
         self._actions: tuple[tuple[str, str], ...] = ()
         self._addresses: tuple[tuple[torch.UntypedStorage, int], ...] = ()
@@ -823,7 +827,7 @@ class EmulatedGraph:
         self._handles = {}
         recorder = self._recorder = _Recorder(self)
         _tls.active = self
-        self.pool.capture_begin()
+        self.pool.capture_begin(self.label)
         try:
             with _patched_syncs(), _HostReadGuard(self), recorder:
                 result = fn(*args, **kwargs)

@@ -163,6 +163,10 @@ class Loans:
         keeps it alive when the pool goes (:meth:`EmulatedPool.outlive`)."""
         return [loan.ref for loan in self._loans]
 
+    def kept(self) -> list[tuple[str, str]]:
+        """``(graph, piece)`` of each loan something beyond fxsplit's own views still holds."""
+        return [(loan.graph_id, loan.piece) for loan in self._loans if _kept(loan)]
+
     def settle(self) -> list[tuple[str, str]]:
         """A step begins: every loan an eager op kept moves to memory of its own (or is
         invalidated where this torch cannot move it). Returns ``(graph, piece)`` of each kept

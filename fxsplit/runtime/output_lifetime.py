@@ -155,6 +155,10 @@ class OutputLedger:
         """Weak references to the storages of every hand-out and loan still followed."""
         return [handed.ref for handed in self._live.values()] + self.loans.live_refs()
 
+    def live_hand_outs(self) -> list[_HandOut]:
+        """The hand-outs still referenced (and still over the pool's memory)."""
+        return [handed for handed in self._live.values() if not handed.ref.expired()]
+
     def handed_out(self, tensor: torch.Tensor) -> _HandOut | None:
         """The live hand-out ``tensor`` is (or is a view of), else None."""
         found = self._live.get(tensor.untyped_storage()._cdata)

@@ -22,6 +22,8 @@ the emulator an :class:`~fxsplit.runtime.emulated_pool.EmulatedPool` with the sa
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from fxsplit.runtime.emulated_pool import EmulatedPool
@@ -42,9 +44,14 @@ class MemoryPool:
         ledger: the outputs handed out of this pool.
         high: the highest capture order replayed or captured in the current step.
         owners: data pointer of each captured graph's output storage -> that graph's order.
+        serial: this pool's number among the memory pools of the process (1 for the first).
     """
 
     def __init__(self, mode: str, device: torch.device):
+        global _SERIAL
+        _SERIAL += 1
+        self.serial = _SERIAL
+        _POOLS.add(self)
         self.mode = mode
         self.device = device
         self.cuda = DeviceCapture(device) if mode == "cuda" else None
@@ -54,12 +61,12 @@ class MemoryPool:
         self.high = -1
         self.step = 0
         self._order = 0
-
-    def __del__(self):
-        # The emulator's segments would go with this pool: what the model still holds over
-        # them (an output it kept, handed out or not) keeps them alive.
-        if getattr(self, "emulated", None) is not None:
-            self.emulated.outlive(self.ledger.live_refs())
+        if self.emulated is not None:
+            # The emulator's segments would go with this pool: what the model still holds over
+            # them (an output it kept, handed out or lent) keeps them alive. A finalizer, not
+            # __del__: its arguments (the ledger's weak references) stay reachable, so a
+            # collection of a cycle through this pool cannot finalize them first.
+            weakref.finalize(self, _gone, self.emulated, self.ledger).atexit = False
 
     def new_graph(self, generators=()):
         """A fresh graph that captures into this pool (``generators``: the CUDA generators other
@@ -88,3 +95,13 @@ class MemoryPool:
         """A new step of the model: any capture order may replay first."""
         self.step = step
         self.high = -1
+
+
+def _gone(emulated: EmulatedPool, ledger: OutputLedger) -> None:
+    emulated.outlive(ledger.live_refs())
+
+
+# Every memory pool alive, and the serial number of the last one made: a test's teardown asks
+# which pools it made still hand memory out (fxsplit.runtime.live).
+_POOLS: weakref.WeakSet[MemoryPool] = weakref.WeakSet()
+_SERIAL = 0  # the last pool's serial number
