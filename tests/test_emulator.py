@@ -661,6 +661,25 @@ def test_a_custom_op_writing_state_that_moved_since_capture_raises():
         g.replay()
 
 
+def test_a_failed_capture_puts_back_what_a_custom_op_wrote_outside_its_arguments():
+    """Found by a hunt: a failed capture put back only what the piece writes among its inputs,
+    so a cache the op writes through a forward context stayed written, and the eager run that
+    follows the failure wrote it again (wrong by 3.5). A CUDA capture executes nothing."""
+    _SLOTS["table"], _SLOTS["cache"] = torch.arange(4), torch.zeros(8, 3)
+    before = _SLOTS["cache"].clone()
+    x = torch.randn(8, 3)
+
+    def piece(t):
+        out = _write_slots(t)
+        if out.sum() > 0:  # a host read: the capture fails here
+            out = out * 2
+        return out
+
+    with pytest.raises(CaptureError, match="illegal during CUDA graph capture"):
+        EmulatedGraph().capture_piece(piece, [x], [])
+    assert torch.equal(_SLOTS["cache"], before)
+
+
 def test_a_custom_op_touching_only_its_arguments_replays_unchecked():
     """Only ops that touched state outside their arguments pay for the check."""
     x = torch.randn(4)

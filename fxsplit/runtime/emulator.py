@@ -290,10 +290,31 @@ class _Checker(TorchDispatchMode):
         bad = _illegal_op(func, args, kwargs)
         if bad is not None:
             self.graph._fail(*bad)
+        if self.theirs is not None and self.graph._undo is not None:
+            self._save_outside_writes(func, args, kwargs)
         out, _ = _run_checked(self.graph, func, args, kwargs, self)
         if self.theirs is not None:
             self._note(func, tree_leaves((args, kwargs)), tree_leaves(out))
         return out
+
+    def _save_outside_writes(self, func, args: tuple, kwargs: dict) -> None:
+        """Before an op of the kernel writes a tensor outside the custom op's arguments (a
+        global, a forward context's cache), keep its values for a failed capture to put back
+        (:meth:`EmulatedGraph.capture_piece`)."""
+        schema = getattr(func, "_schema", None)
+        if schema is None or not schema.is_mutable:
+            return
+        named = dict(zip((a.name for a in schema.arguments), args, strict=False))
+        named.update(kwargs)
+        for argument in schema.arguments:
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            for leaf in tree_leaves(named.get(argument.name)):
+                if type(leaf) not in _PLAIN or leaf.layout != torch.strided:
+                    continue
+                cdata = leaf.untyped_storage()._cdata
+                if cdata not in self.theirs and cdata not in self._made:
+                    self.graph._save_before_write(leaf)
 
     def _note(self, func, inputs: list, outputs: list) -> None:
         seen = _storages(inputs)
@@ -798,6 +819,9 @@ class EmulatedGraph:
         self._recorder: _Recorder | None = None
         # storages custom ops' kernels made and kept during the capture or replay under way
         self._made_by_kernels: dict[int, StorageWeakRef] = {}
+        # during capture_piece: (tensor, its values before) for a failed capture to put back
+        self._undo: list | None = None
+        self._undo_seen: set[tuple] = set()
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -883,6 +907,8 @@ class EmulatedGraph:
         kept = [statics[i] for i in written if isinstance(statics[i], torch.Tensor)]
         saved = [(static, static.clone()) for static in kept]
         rng = torch.get_rng_state()
+        self._undo = saved  # custom ops' kernels add what they write outside their arguments
+        self._undo_seen = set()
         try:
             run = fn
             if uncompiled is not None:
@@ -892,11 +918,23 @@ class EmulatedGraph:
             if validate is not None:
                 validate(outputs)
         except BaseException:
-            for static, copy in saved:
+            for static, copy in reversed(saved):
                 static.copy_(copy)
             torch.set_rng_state(rng)  # the fallback run draws what eager draws
             raise
+        finally:
+            self._undo = None
         return outputs
+
+    def _save_before_write(self, tensor: torch.Tensor) -> None:
+        """Keep ``tensor``'s values (a view a custom op's kernel is about to write outside its
+        arguments) for :meth:`capture_piece` to put back if the capture fails."""
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+        if key in self._undo_seen:
+            return
+        self._undo_seen.add(key)
+        with torch.utils._python_dispatch._disable_current_modes():
+            self._undo.append((tensor, tensor.clone()))
 
     def _check_on_fakes(self, fn: Callable[..., Any], statics: list) -> None:
         """:meth:`check` of ``fn`` on fake copies of ``statics``: what CUDA capture would
