@@ -77,6 +77,11 @@ def test_an_unknown_key_is_named_as_config_names_it():
     ("spec", "message"),
     [
         ("mymodel.example", "got 'mymodel.example'; did you mean mymodel:example?"),
+        # a module named without its factory (the hint was "did you mean fxsplit.models:...")
+        (
+            "fxsplit.models.deepseek_v4",
+            "fxsplit.models.deepseek_v4 is a module: name a function in it that returns the model",
+        ),
         ("mymodel", "got 'mymodel'"),
         ("mymodel:", "got 'mymodel:'"),
         (":example", "got ':example'"),

@@ -11,6 +11,7 @@ fixed set of them, the built-in runners); ``tests/test_cli_checks.py`` keeps the
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import os
 import sys
@@ -54,6 +55,15 @@ CHOICES = {
 BUILTIN_RUNNERS = ("v1", "v2")
 
 
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is an importable module (found without importing it; its parent
+    packages are imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def check_factory(spec: str) -> tuple[str, str]:
     """``(module, attribute)`` of ``MODULE:FACTORY``.
 
@@ -63,7 +73,9 @@ def check_factory(spec: str) -> tuple[str, str]:
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         hint = ""
-        if not sep and "." in spec:  # mymodel.example: the last dot meant as the colon
+        if not sep and _is_module(spec):  # the factory left out
+            hint = f"; {spec} is a module: name a function in it that returns the model"
+        elif not sep and "." in spec:  # mymodel.example: the last dot meant as the colon
             head, _, tail = spec.rpartition(".")
             hint = f"; did you mean {head}:{tail}?"
         raise UsageError(
