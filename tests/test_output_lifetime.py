@@ -969,3 +969,17 @@ def test_a_loan_nothing_changed_or_refers_to_is_handed_again():
     assert counters.snapshot()["replays"] > 0
     _assert_steps_equal(got, want)
     assert handed[-1] is not None and handed[1:] == [handed[-1]] * 5, handed
+
+
+@pytest.mark.parametrize("make", [SinAttentionMlp, _TransposesInPlace])
+def test_loans_under_inference_mode_are_handed_fresh_and_read_as_in_eager(make):
+    """Found by vLLM's runs: under ``torch.inference_mode`` a loan is an inference tensor, whose
+    version counter does not exist (reading it raised), so nothing tells an in-place change of
+    the tensor last handed: each call hands a fresh one."""
+    with torch.inference_mode():
+        eager = make()
+        want = [eager(_x(step)[:, : eager.a.in_features]) for step in range(6)]
+        model, _ = _compile(make(), warmup_runs=0)
+        got = [model(_x(step)[:, : eager.a.in_features]).clone() for step in range(6)]
+    assert counters.snapshot()["replays"] > 0
+    _assert_steps_equal(got, want)

@@ -48,19 +48,24 @@ _WEAK_REFS = weakref.getweakrefcount
 
 class _Lent:
     """One pool tensor lent: ``view`` over the loan's storage, and ``handed``, the tensor last
-    handed over it (``detach`` of ``view``), with its version then."""
+    handed over it (``detach`` of ``view``), with its version then. An inference tensor has no
+    version counter to tell an in-place change by: each call gets a fresh one (``detach`` of an
+    inference tensor costs a third of another's)."""
 
-    __slots__ = ("handed", "source", "version", "view")
+    __slots__ = ("handed", "reuse", "source", "version", "view")
 
     def __init__(self, source: torch.Tensor, view: torch.Tensor):
         self.source = source
         self.view = view
         self.handed: torch.Tensor | None = None
         self.version = 0
+        self.reuse = not view.is_inference()
 
     def hand(self) -> torch.Tensor:
         """The tensor to hand an eager piece: the last one again where nothing but this
         record refers to it and nothing changed it, else a fresh one."""
+        if not self.reuse:
+            return self.view.detach()
         handed = self.handed
         # references: the attribute, the local name, getrefcount's argument
         if (
