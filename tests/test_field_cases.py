@@ -583,3 +583,24 @@ def test_a_captured_output_whose_layout_an_op_changes_in_place_reads_as_in_eager
             x = _data((8, 8), step)
             assert torch.equal(model(x), eager(x)), step
     assert_replayed(backend)
+
+
+class _RelayoutsAView(torch.nn.Module):
+    def forward(self, x):
+        a = x.expand_as(x)  # a view of the caller's tensor, in its layout
+        torch._dynamo.graph_break()
+        a.as_strided_((a.shape[0], 4), (1, a.shape[0]))
+        return a.relu()
+
+
+def test_a_returned_view_in_its_inputs_layout_is_a_tensor_of_its_own():
+    """Found by the long profile: a captured output that views an input in the input's own
+    layout was rebuilt as the caller's tensor itself, so an in-place layout change of it after
+    a graph break changed the caller's tensor too (and the output read it the other way)."""
+    model, backend = _compile(_RelayoutsAView(), fullgraph=False, warmup_runs=0, eager_regions=[])
+    with torch.no_grad():
+        for step in range(4):
+            x, xe = _data((4, 4), step), _data((4, 4), step)
+            assert torch.equal(model(x), _RelayoutsAView()(xe)), step
+            assert x.stride() == xe.stride() == (4, 1), step
+    assert_replayed(backend)

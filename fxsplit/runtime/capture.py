@@ -176,7 +176,8 @@ def _views(piece, outputs, statics, binds, bases) -> tuple:
                 "tensor"
             )
         shape, strides = tuple(out.shape), tuple(out.stride())
-        views.append(OutputView(j, i, shape, strides, offset, dtype, out.is_conj(), out.is_neg()))
+        conj, neg = out.is_conj(), out.is_neg()
+        views.append(OutputView(j, i, shape, strides, offset, dtype, conj, neg, out is static))
     return tuple(views)
 
 

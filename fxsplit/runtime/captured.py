@@ -215,10 +215,10 @@ class CapturedPiece(torch.nn.Module):
             return entry.outputs
         single = not isinstance(entry.outputs, tuple)
         outputs = [entry.outputs] if single else list(entry.outputs)
-        for j, i, size, stride, offset, dtype, conj, neg in entry.views:
+        for j, i, size, stride, offset, dtype, conj, neg, itself in entry.views:
             value = inputs[i]
             if value is not entry.statics[i]:
-                outputs[j] = rebuild(value, size, stride, offset, dtype, conj, neg)
+                outputs[j] = rebuild(value, size, stride, offset, dtype, conj, neg, itself)
         return outputs[0] if single else tuple(outputs)
 
     def _uncaptured(self, inputs, key):

@@ -50,6 +50,7 @@ class OutputView(NamedTuple):
     dtype: torch.dtype | None  # None where the view keeps the input's dtype
     conj: bool
     neg: bool
+    itself: bool  # the output is the input tensor itself (an in-place op's result), no view
 
 
 class Entry:
@@ -96,13 +97,17 @@ class Entry:
         self.shared: tuple = ()  # (i, j): OWN inputs bound to one buffer (one tensor at capture)
 
 
-def rebuild(value, size, stride, offset, dtype, conj, neg) -> torch.Tensor:
+def rebuild(value, size, stride, offset, dtype, conj, neg, itself) -> torch.Tensor:
     """The view an output had of its input at capture, over the caller's tensor ``value``
     instead of fxsplit's copy: a real view (shared version counter), in the output's dtype,
-    with its conjugate and negative bits."""
+    with its conjugate and negative bits; ``value`` itself where the output was the input
+    tensor itself. A view of the same layout is still a tensor of its own, as in eager
+    (``x.expand_as(x)``): an in-place change of its layout must not reach ``value``."""
+    if itself:
+        return value
     base = value if dtype is None else value.view(dtype)
     if offset == 0 and size == base.shape and stride == base.stride():
-        view = base
+        view = base.view_as(base)
     else:
         view = base.as_strided(size, stride, base.storage_offset() + offset)
     if view.is_conj() != conj:
