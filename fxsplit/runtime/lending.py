@@ -7,13 +7,11 @@ An op may keep what it was handed past the call (EAGLE/MTP-style reuse of the hi
 hook that stores its argument); in eager it would keep that step's values. So an eager piece is
 handed such an output as a *loan*: a fresh tensor, each call, over a storage object of its own
 (one ``StorageImpl`` per pool storage, made once per capture) over the pool's memory, never the
-pool's own tensor. The tensor handed at the last call is handed again while nothing but fxsplit
-refers to it (no Python reference, no weak reference, no C++ holder of it) and nothing changed
-it in place (its version counter, which in-place metadata changes such as ``t_()`` bump too):
-such a tensor cannot be told from a fresh one. At the start of each step, before any replay can
-write the pool, a loan over which any tensor beyond fxsplit's own views still exists, a handed
-tensor something refers to, or whose storage object something holds, was kept: its storage moves
-to memory of its own with that step's values
+pool's own tensor (so an in-place change of its sizes, or a cache keyed on it, never outlives
+the call, as with eager's new tensor each step). At the start of each step, before any replay
+can write the pool, a loan over which any tensor beyond fxsplit's own views still exists, or
+whose storage object something holds, was kept: its storage moves to memory of its own with that
+step's values
 (``UntypedStorage._swap_data_ptr_``), so whatever kept it reads what eager's would, and the
 piece's later loans get a fresh storage. Nothing is counted per call: a loan is found kept from
 its storage's use count and its storage object's references, and a false alarm (a traceback
@@ -30,8 +28,8 @@ its hand-outs: a graph freed, the pool released, a copy into the memory outside 
 from __future__ import annotations
 
 import sys
-import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -43,41 +41,14 @@ __all__ = ["Borrower", "Loans"]
 _POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
 _USE_COUNT = torch._C._storage_Use_Count  # tensors (and storage objects) over one storage
 _REFS = sys.getrefcount
-_WEAK_REFS = weakref.getweakrefcount
 
 
-class _Lent:
-    """One pool tensor lent: ``view`` over the loan's storage, and ``handed``, the tensor last
-    handed over it (``detach`` of ``view``), with its version then. An inference tensor has no
-    version counter to tell an in-place change by: each call gets a fresh one (``detach`` of an
-    inference tensor costs a third of another's)."""
+class _Lent(NamedTuple):
+    """One pool tensor lent: ``source`` (the pool's tensor) and ``view``, the same tensor
+    over the loan's storage; each call is handed a fresh ``detach`` of ``view``."""
 
-    __slots__ = ("handed", "reuse", "source", "version", "view")
-
-    def __init__(self, source: torch.Tensor, view: torch.Tensor):
-        self.source = source
-        self.view = view
-        self.handed: torch.Tensor | None = None
-        self.version = 0
-        self.reuse = not view.is_inference()
-
-    def hand(self) -> torch.Tensor:
-        """The tensor to hand an eager piece: the last one again where nothing but this
-        record refers to it and nothing changed it, else a fresh one."""
-        if not self.reuse:
-            return self.view.detach()
-        handed = self.handed
-        # references: the attribute, the local name, getrefcount's argument
-        if (
-            handed is None
-            or _REFS(handed) != 3
-            or handed._use_count() != 1
-            or handed._version != self.version
-            or _WEAK_REFS(handed)
-        ):
-            handed = self.handed = self.view.detach()
-            self.version = handed._version
-        return handed
+    source: torch.Tensor
+    view: torch.Tensor
 
 
 @dataclass(eq=False)
@@ -106,18 +77,8 @@ def _uses(loan: _Loan) -> int:
 
 
 def _kept(loan: _Loan) -> bool:
-    """Whether anything but fxsplit refers to the loan's memory: beyond its own views and
-    the tensors it keeps to hand again (each one reference to the storage), or to one of
-    those tensors."""
-    uses = _uses(loan)
-    for lent in loan.lent:
-        handed = lent.handed
-        if handed is not None:
-            # references: the attribute, the local name, getrefcount's argument
-            if _REFS(handed) != 3 or handed._use_count() != 1:
-                return True
-            uses -= 1
-    return uses != loan.base
+    """Whether anything but fxsplit's own views refers to the loan's memory."""
+    return _uses(loan) != loan.base
 
 
 class Loans:
@@ -251,9 +212,7 @@ def _kept_message(loan: _Loan) -> str:
 
 class Borrower:
     """An eager piece called with loans in place of the pool tensors it reads (see the module
-    docstring): each call gets tensors over the loans' storages that no earlier call left
-    changed or referred to (:meth:`_Lent.hand`: an in-place change of their sizes, or a cache
-    keyed on them, never outlives the call, as with eager's new tensor each step). What it
+    docstring): each call gets fresh tensors over the loans' storages. What it
     returns that is a loan it was handed goes on as the pool's own tensor, so later captured
     pieces read it where it lies.
 
@@ -285,7 +244,7 @@ class Borrower:
             if hit is not None and hit.source is args[i]:
                 if handed is None:
                     handed, args = {}, list(args)
-                args[i] = view = hit.hand()
+                args[i] = view = hit.view.detach()
                 handed[id(view)] = hit.source
         for i in self.views:
             value = args[i]
