@@ -435,3 +435,28 @@ def test_state_sharing_a_storage_with_an_earlier_output_is_state_from_the_first_
             assert torch.equal(model(x), eager(x)), step
             assert torch.equal(net.t, eager.t), step
     assert fxsplit.counters.snapshot()["replays"] > 0
+
+
+def test_stats_keep_the_counts_of_pieces_made_anew_when_weights_move():
+    """Found by the long profile (seed 525): weights reassigned make the graph drop its captures
+    and make its pieces anew; ``Backend.stats`` then showed only the new pieces' counts (a
+    refusal before the move was gone), while the process-wide counters had them all."""
+    net = _Rebinding()
+    backend = fxsplit.Backend(capture="emulate", warmup_runs=1, input_binding="copy")
+    model = torch.compile(net, backend=backend, dynamic=True)
+    with _quiet():
+        for step in range(8):
+            if step == 4:
+                net.lin.weight = nn.Parameter(net.lin.weight.clone(), requires_grad=False)
+            model(_x(step))
+    totals = fxsplit.counters.snapshot()
+    assert totals["recaptures"] > 0 or totals["captures"] > 1, totals
+    for name in ("captures", "replays", "uncaptured_runs"):
+        in_stats = sum(
+            counts.get(name, 0)
+            for pieces in backend.stats.values()
+            for keys in pieces.values()
+            for key, counts in keys.items()
+            if key != "refused"
+        )
+        assert in_stats == totals[name], (name, in_stats, totals[name], backend.stats)

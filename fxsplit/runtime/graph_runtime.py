@@ -162,6 +162,16 @@ class GraphRuntime:
             self._warned.add(key)
             warn_at_caller(message)
 
+    def _reinstall(self) -> None:
+        """Drop every capture and make the pieces anew (their bindings read the state as it is
+        now); each new piece's figures start from its old one's, so ``Backend.stats`` tells
+        the whole run, as the process-wide counters do."""
+        self.reset()
+        before = {piece.name: piece.stats for piece in self.pieces}
+        self.pieces = self._install()
+        for piece in self.pieces:
+            piece.stats.carry_over(before[piece.name])
+
     def _install(self) -> list[CapturedPiece]:
         split = self.split
         nodes = {n.name: n for n in split.graph_module.graph.nodes}
@@ -367,8 +377,7 @@ class GraphRuntime:
         if self.pool is not None:
             self._keep_state(args)
             taken = take_over(self.pool, self.session, args, indices)
-        self.reset()
-        self.pieces = self._install()
+        self._reinstall()
         return taken
 
     def _keep_state(self, args) -> None:
@@ -396,8 +405,7 @@ class GraphRuntime:
             ", ".join(self.statics.names(settled)),
             SETTLED,
         )
-        self.reset()
-        self.pieces = self._install()
+        self._reinstall()
 
     def _note_recapture(self, reason: str) -> None:
         """Warn once when the graph recaptured more than a few times within a few steps."""

@@ -41,6 +41,13 @@ class PieceStats:
         counts[name] += amount
         counters.totals[name] += amount
 
+    def carry_over(self, old: PieceStats) -> None:
+        """Start from ``old``'s figures (the piece it replaces, made anew when the state moved);
+        the keys it met are not new to the watch."""
+        self.per_key = old.per_key
+        self.copies_by_input = old.copies_by_input
+        self.refusals = old.refusals
+
     def as_dict(self) -> dict[str, dict[str, int]]:
         """``{str(key): {counter: value}}`` as plain dicts (``"uncaptured"`` for key None), and
         ``{"refused": {reason: calls}}`` when a call ran uncaptured for a reason. Keys read as
