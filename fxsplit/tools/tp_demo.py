@@ -266,7 +266,11 @@ def render(results: list[dict], world_size: int):
     shown = None
     for row in _rows(results):
         runner = row["runner"]  # named on its first row only
-        label = "" if runner == shown else runner + (" (default)" if runner == default else "")
+        label = (
+            ""
+            if runner == shown
+            else runner + (" (its default_runner)" if runner == default else "")
+        )
         shown = runner
         steps.add_row(
             label,
