@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from fxsplit.facts.aliasing import PieceAliasing
-from fxsplit.runtime import binding
+from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.binding import Bind, InputSpec, Refused
 from fxsplit.runtime.entry import Check, Entry, OutputView, Written, flat
 from fxsplit.runtime.static_buffers import AliasGuard, OwnBuffer
@@ -33,7 +33,6 @@ def capture(piece, key, inputs) -> Entry:
     context = piece.context
     if piece.aliasing.deferred:
         analyse(piece, inputs)
-    session = context.session
     pool = context.pool
     binds, statics, buffers = [], [], []
     for spec, value in zip(piece.specs, inputs, strict=True):
@@ -46,9 +45,9 @@ def capture(piece, key, inputs) -> Entry:
         elif spec.kind == binding.RUNNER and context.is_frozen_memory(value):
             bind = _PINNED  # a view of a parameter or buffer: its memory never moves
         else:
-            bind = binding.bind(spec, context.binding, session.produced(value))
+            bind = binding.bind(spec, context.binding, provenance.RECORD.produced(value))
             if bind is _OWN:
-                buffer = context.buffers.get(value, session, spec.rebound)
+                buffer = context.buffers.get(value, spec.rebound)
         binds.append(bind)
         buffers.append(buffer)
         statics.append(buffer.static if buffer is not None else value)
@@ -58,11 +57,11 @@ def capture(piece, key, inputs) -> Entry:
         guard.check(piece.specs, inputs)
     for i, buffer in enumerate(buffers):
         if buffer is not None and buffer.static is not inputs[i] and buffer.mark is None:
-            buffer.remember(session, inputs[i])
+            buffer.remember(inputs[i])
     graph = pool.new_graph(piece.generators)
     if context.mode == "emulate":
         graph.label = f"{context.graph_id} {piece.name}"
-    session.collect_once()
+    context.session.collect_once()
     try:
         outputs = graph.capture_piece(
             piece.run_uncaptured, statics, written, piece.check_uncompiled, _refuse_grad

@@ -21,7 +21,7 @@ import torch
 
 from fxsplit import counters
 from fxsplit.facts.aliasing import PieceAliasing
-from fxsplit.runtime import binding
+from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec, Refused
 from fxsplit.runtime.capture import capture, never_captured
 from fxsplit.runtime.entry import Entry, flat, key_function, rebuild
@@ -168,7 +168,7 @@ class CapturedPiece(torch.nn.Module):
                     f"input {self.specs[i].name!r} overlaps itself (e.g. expanded) and this "
                     "call's strides differ from the capture's"
                 )
-            buffer.remember(self.context.session, value)
+            buffer.remember(value)
             counts = entry.counts
             counts["input_copies"] += 1
             counts["input_copy_bytes"] += value.nbytes
@@ -202,12 +202,11 @@ class CapturedPiece(torch.nn.Module):
 
     def results(self, entry: Entry, inputs):
         """After a replay: write back what the piece wrote, then rebuild views of inputs."""
-        session = self.context.session
         for i, static, bind, buffer in entry.written:
             value = inputs[i]
             if bind is _OWN and value is not static:
                 value.copy_(static)
-                buffer.remember(session, value)
+                buffer.remember(value)
             elif not static.is_inference():
                 # A CUDA graph's writes bypass the version counter; keep it truthful.
                 _increment_version(static)
@@ -346,7 +345,7 @@ class CapturedPiece(torch.nn.Module):
                 f"input {spec.name!r} is a view of a parameter or buffer, bound by address at "
                 "capture, and this call hands another view"
             )
-        if self.context.session.produced(value):
+        if provenance.RECORD.produced(value):
             return Refused(
                 f"input {spec.name!r} is bound to the caller's persistent tensor, but this call "
                 "hands it a value fxsplit produced"

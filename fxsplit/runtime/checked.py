@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fxsplit.runtime import binding
+from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.binding import Bind
 from fxsplit.runtime.captured import CapturedPiece
 from fxsplit.runtime.entry import Check, Entry
@@ -43,7 +43,7 @@ class CheckedPiece(CapturedPiece):
         """Fix the addresses of the persistent inputs (what a capture would bind) in an entry
         with no graph, and run uncaptured."""
         context = self.context
-        produced = context.session.produced
+        produced = provenance.RECORD.produced
         checks = []
         for i, (spec, value) in enumerate(zip(self.specs, inputs, strict=True)):
             if not isinstance(value, torch.Tensor):

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from fxsplit import counters
 from fxsplit.config import Config
 from fxsplit.facts.aliasing import PieceAliasing
-from fxsplit.runtime import binding
+from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError
 from fxsplit.runtime.checked import CheckedPiece
 from fxsplit.runtime.context import GraphContext
@@ -263,7 +263,7 @@ class GraphRuntime:
             # Earlier outputs handed back in are read before anything (a parameter move's
             # recapture included) may invalidate their memory.
             if pool is not None:
-                handed = take_over(pool, session, args, statics.runner_inputs)
+                handed = take_over(pool, args, statics.runner_inputs)
                 args = with_copies(args, handed)
             if statics.params:
                 rebound = self._follow_params(args)
@@ -289,11 +289,11 @@ class GraphRuntime:
             session.exit()
             if handed:  # also when the model raised: the caller's tensors leave the pool
                 out = hand_back(out, handed, self.graph_id)
-                session.forget_taken(handed)
+                provenance.RECORD.forget_taken(handed)
         if pool is not None:
             out = hand_out(out, pool, self.graph_id, self.clone_outputs)
             pool.ledger.returned(self.graph_id, pool.step)
-        session.record_outputs(self, out, args)
+        provenance.RECORD.record_outputs(session, self, out, args)
         return out
 
     def is_frozen_memory(self, value: torch.Tensor) -> bool:
@@ -338,7 +338,7 @@ class GraphRuntime:
         weights moved, or make those the model rebinds runner inputs; returns the private
         copies taken of rebound ones that are earlier outputs
         (:func:`~fxsplit.runtime.hand_out.take_over`), or None."""
-        what, indices = self.statics.follow(args, self._steps, self.session)
+        what, indices = self.statics.follow(args, self._steps)
         if what in (FIRST, REBOUND):
             return self._rebind(indices, args) if indices else None
         if what == SAME:
@@ -376,7 +376,7 @@ class GraphRuntime:
         taken = None
         if self.pool is not None:
             self._keep_state(args)
-            taken = take_over(self.pool, self.session, args, indices)
+            taken = take_over(self.pool, args, indices)
         self._reinstall()
         return taken
 
@@ -389,14 +389,14 @@ class GraphRuntime:
             if handed is not None:
                 found = handed.graph_id, handed.slot
             else:
-                found = self.session.output_slot(args[i])
+                found = provenance.RECORD.output_slot(self.session, args[i])
             if found is not None:
                 ledger.keep_as_state(args[i], *found)
 
     def _check_settled(self, args) -> None:
         """Rebound parameters that held still are read by address again
         (:meth:`StaticInputs.settled`): recapture."""
-        settled = self.statics.settled(args, self.session)
+        settled = self.statics.settled(args)
         if not settled:
             return
         log.info(

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from fxsplit.runtime import provenance
 from fxsplit.runtime.output_lifetime import can_swap, poison
 from fxsplit.runtime.storage import clone_sharing, is_strided, storage_ptr, view_over
 
 __all__ = ["hand_back", "hand_out", "take_over", "with_copies"]
 
 
-def take_over(pool, session, args, indices: list[int]) -> list | None:
+def take_over(pool, args, indices: list[int]) -> list | None:
     """The arguments at ``indices`` that are outputs an earlier step handed out (or views of
     them): this step's replays may overwrite their memory before they are read, so the step
     reads private copies (sharing memory as the originals do), handed back afterwards.
@@ -32,7 +33,7 @@ def take_over(pool, session, args, indices: list[int]) -> list | None:
     for i in back:
         ledger.adopt(args[i])
     handed = [(i, args[i], c) for i, c in zip(back, copies, strict=True)]
-    session.take(handed)
+    provenance.RECORD.take(handed)
     return handed
 
 

@@ -1,6 +1,6 @@
 """What a backend's compiled graphs share at run time (a :class:`CaptureSession`): one thread
-inside a call at a time, the model's steps, the memory pools, and the process-wide record of which
-memory fxsplit produced.
+inside a call at a time, the model's steps, and the memory pools. Which memory fxsplit produced is
+one record for the whole process, shared by every backend: :mod:`fxsplit.runtime.provenance`.
 """
 
 from __future__ import annotations
@@ -8,13 +8,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-import weakref
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from fxsplit.runtime import provenance
 from fxsplit.runtime.pool import MemoryPool
-from fxsplit.runtime.storage import is_strided, storage_ptr
 from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
 __all__ = ["CaptureSession", "ConcurrentCallError"]
@@ -29,7 +27,7 @@ class ConcurrentCallError(RuntimeError):
 
 class CaptureSession:
     """What a backend's compiled graphs share at run time: garbage collection once per capture
-    session, the model's steps, the memory pools, and which memory fxsplit produced.
+    session, the model's steps, and the memory pools.
 
     Capturing many pieces (or many sizes) with a ``gc.collect()`` per piece made capture take
     seconds per size. A session is a step of a compiled graph, or ``Backend.capture`` around many
@@ -40,10 +38,8 @@ class CaptureSession:
     whose own frame compiled no graph, a graph called twice per step). Replays keep capture
     order within a step (:mod:`fxsplit.runtime.pool`).
 
-    Memory fxsplit produced is never the caller's (see :mod:`fxsplit.runtime.binding`): the
-    outputs every pool handed out, and the outputs every graph returned on its last call (a graph
-    Dynamo resumes after a graph break reads them as inputs), known by storage identity, never by
-    address (the allocator hands a freed address out again at once).
+    The session's pools, and what its graphs return, are in the process-wide record of which
+    memory fxsplit produced (:data:`fxsplit.runtime.provenance.RECORD`) until it closes.
     """
 
     def __init__(self):
@@ -54,19 +50,11 @@ class CaptureSession:
         self.pools: dict[tuple[str, torch.device], MemoryPool] = {}
         self._called: set[int] = set()  # graphs called in this step
         self._calls = 0  # graph calls under way (more than one: a call inside another's)
-        # graph -> its last call's outputs: storage -> (weak reference, graph id, position)
-        self._outputs: dict[int, dict[int, tuple[StorageWeakRef, str, int]]] = {}
-        # graph -> the outputs of its calls that are still alive, in the same form; kept when
-        # the graph is reset (its outputs may be the model's state)
-        self._origins: dict[int, dict[int, tuple[StorageWeakRef, str, int]]] = {}
-        self._swept: dict[int, int] = {}  # graph -> its origins' count after the last sweep
-        self._taken: dict[int, StorageWeakRef] = {}  # private copies of a call under way
         self._warned_held = False
         self._warned_kept: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # held by the thread inside a call (own / disown)
         self._owner: int | None = None
         self._owned = 0
-        _SESSIONS.add(self)
 
     def own(self, graph_id: str) -> None:
         """The calling thread enters a call of a graph (again, where it is already inside one:
@@ -99,6 +87,7 @@ class CaptureSession:
         found = self.pools.get((mode, device))
         if found is None:
             found = self.pools[(mode, device)] = MemoryPool(mode, device)
+            provenance.RECORD.add_pool(found)
         return found
 
     def begin_call(self, graph: object, entered: bool) -> None:
@@ -151,106 +140,20 @@ class CaptureSession:
             FxsplitRuntimeWarning,
         )
 
-    def produced(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives in memory fxsplit produced, by this backend or any other of
-        the process (see the class docstring): one model's output handed to another model
-        compiled with another backend is fxsplit's memory there too, never the caller's."""
-        cdata = tensor.untyped_storage()._cdata
-        return self._produced_here(tensor, cdata) or any(
-            session._produced_here(tensor, cdata) for session in _SESSIONS if session is not self
-        )
-
-    def _produced_here(self, tensor: torch.Tensor, cdata: int) -> bool:
-        if cdata in self._taken:
-            return True
-        for outputs in self._outputs.values():
-            found = outputs.get(cdata)
-            if found is not None and not found[0].expired():
-                return True
-        return self._in_pool_here(tensor)
-
-    def in_pool(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lives in a memory pool of any backend of the process: a captured
-        graph's output (handed out or not), whose memory later replays and captures reuse."""
-        return self._in_pool_here(tensor) or any(
-            session._in_pool_here(tensor) for session in _SESSIONS if session is not self
-        )
-
-    def _in_pool_here(self, tensor: torch.Tensor) -> bool:
-        if not self.pools:
-            return False
-        ptr = tensor.untyped_storage().data_ptr()
-        return any(
-            pool.ledger.handed_out(tensor) is not None or ptr in pool.owners
-            for pool in self.pools.values()
-        )
-
-    def record_outputs(self, graph: object, out: tuple, args: tuple = ()) -> None:
-        """Remember ``graph``'s outputs of this call (by storage identity), except views of
-        what the call was handed (those are the caller's)."""
-        theirs = {a.untyped_storage()._cdata for a in args if is_strided(a)}
-        refs = {}
-        for slot, o in enumerate(out):
-            if is_strided(o):
-                storage = o.untyped_storage()
-                if storage._cdata not in refs and storage._cdata not in theirs:
-                    refs[storage._cdata] = (StorageWeakRef(storage), graph.graph_id, slot)
-        self._outputs[id(graph)] = refs
-        origins = self._origins.setdefault(id(graph), {})
-        origins.update(refs)
-        if len(origins) > 2 * self._swept.get(id(graph), 4):
-            # forget the dead only when the live may have doubled: a caller keeping every
-            # step's output would otherwise make each call walk all of them
-            for cdata in [cdata for cdata, found in origins.items() if found[0].expired()]:
-                del origins[cdata]
-            self._swept[id(graph)] = len(origins)
-
-    def output_slot(self, tensor: torch.Tensor) -> tuple[str, int] | None:
-        """``(graph id, output position)`` of the output of a call of a graph, still alive,
-        that ``tensor`` is (or views), else None."""
-        cdata = tensor.untyped_storage()._cdata
-        for outputs in self._origins.values():
-            found = outputs.get(cdata)
-            if found is not None and not found[0].expired():
-                return found[1], found[2]
-        return None
-
-    def take(self, handed: list) -> None:
-        """The private copies of earlier outputs a call reads instead (see
-        :meth:`GraphRuntime._take_over`) are memory fxsplit produced while the call runs."""
-        for _, _, copy in handed:
-            storage = copy.untyped_storage()
-            self._taken[storage._cdata] = StorageWeakRef(storage)
-
-    def forget_taken(self, handed: list) -> None:
-        for _, _, copy in handed:
-            self._taken.pop(copy.untyped_storage()._cdata, None)
-
     def close(self) -> None:
         """Release every output the pools handed out and that is still held (their memory is
         about to go): moved to memory of its own, see
-        :meth:`~fxsplit.runtime.output_lifetime.OutputLedger.release_all`."""
+        :meth:`~fxsplit.runtime.output_lifetime.OutputLedger.release_all`. Its pools and what
+        its graphs returned leave the process-wide record: other backends stop asking them."""
         for pool in self.pools.values():
             pool.ledger.release_all(self.step)
-        _SESSIONS.discard(self)  # its memory is released: other backends stop asking it
+            provenance.RECORD.drop_pool(pool)
+        provenance.RECORD.close(self)
 
     def forget(self, graph: object) -> None:
-        """Drop what is recorded for ``graph``."""
-        self._outputs.pop(id(graph), None)
+        """``graph`` is reset: drop what this session and the record keep of its calls."""
         self._called.discard(id(graph))
-
-    def sync_mark(self, tensor: torch.Tensor) -> tuple | None:
-        """``(weak reference, version, data pointer)`` of a value just copied into a static
-        buffer, telling the next call whether it changed since; None where the version counter
-        cannot tell (inference tensors have none; outputs in a memory pool change by replay,
-        unseen)."""
-        if tensor.is_inference():
-            return None
-        ptr = storage_ptr(tensor)
-        sessions = (self, *(session for session in _SESSIONS if session is not self))
-        if any(ptr in pool.owners for session in sessions for pool in session.pools.values()):
-            return None
-        return weakref.ref(tensor), tensor._version, tensor.data_ptr()
+        provenance.RECORD.forget(graph)
 
     def enter(self) -> None:
         """Open a (possibly nested) session; collects nothing yet."""
@@ -278,8 +181,3 @@ class CaptureSession:
             yield
         finally:
             self.exit()
-
-
-# Every live session of the process: which memory fxsplit produced is one question for all of
-# them (one backend's outputs handed to a model compiled with another).
-_SESSIONS: weakref.WeakSet[CaptureSession] = weakref.WeakSet()

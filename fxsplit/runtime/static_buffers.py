@@ -5,9 +5,12 @@ guard that refuses a call whose shared storage separate buffers could not keep.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fxsplit.runtime import provenance
 from fxsplit.runtime.binding import Bind, Refused
 from fxsplit.runtime.storage import storage_ptr
 
@@ -21,9 +24,7 @@ class OwnBuffer:
     and piece of a graph that captured that view (a KV cache handed in as a plain argument is
     held once), or an earlier captured piece's output read where it lies (``pooled``: memory
     of the pool, whose handed-out outputs a copy into it must invalidate first); ``mark``
-    remembers the value last copied in (see
-    :meth:`~fxsplit.runtime.session.CaptureSession.sync_mark`), never for a ``rebound``
-    parameter (see :class:`~fxsplit.runtime.binding.InputSpec`): that one is copied every call."""
+    remembers the value last copied in (:meth:`remember`)."""
 
     __slots__ = ("mark", "pooled", "rebound", "region", "source", "static")
 
@@ -35,9 +36,16 @@ class OwnBuffer:
         self.rebound = False
         self.mark = None
 
-    def remember(self, session, value: torch.Tensor) -> None:
-        """``value`` was just copied in: remember it, unless it is a rebound parameter."""
-        self.mark = None if self.rebound else session.sync_mark(value)
+    def remember(self, value: torch.Tensor) -> None:
+        """``value`` was just copied in: remember it (a weak reference, its version and data
+        pointer), telling the next call whether it changed since. Nothing is remembered where
+        the version counter cannot tell: an inference tensor has none, and a replay changes a
+        captured graph's output unseen; nor for a ``rebound`` parameter (see
+        :class:`~fxsplit.runtime.binding.InputSpec`), which is copied every call."""
+        if self.rebound or value.is_inference() or provenance.RECORD.captured_output(value):
+            self.mark = None
+        else:
+            self.mark = weakref.ref(value), value._version, value.data_ptr()
 
     def holds(self, value: torch.Tensor) -> bool:
         """Whether the buffer holds ``value``'s values: the same tensor, at the same address,
@@ -57,7 +65,7 @@ class OwnBuffers:
     def __init__(self):
         self._buffers: dict[tuple, OwnBuffer] = {}
 
-    def get(self, value: torch.Tensor, session, rebound: bool = False) -> OwnBuffer:
+    def get(self, value: torch.Tensor, rebound: bool = False) -> OwnBuffer:
         """fxsplit's static buffer for the caller's ``value`` holding its values, shared by
         every piece and capture key of the graph that captured the same view of the same
         tensor; ``rebound``: ``value`` is a rebound parameter (copied every call)."""
@@ -77,7 +85,7 @@ class OwnBuffers:
             )
             with torch.no_grad():
                 target.copy_(source)
-            buffer.remember(session, value)
+            buffer.remember(value)
         return buffer
 
     def __iter__(self):

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from fxsplit.runtime import binding
+from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.storage import storage_ptr
 
 __all__ = ["SETTLED", "StaticInputs"]
@@ -77,7 +77,7 @@ class StaticInputs:
         """Whether ``value`` lives in a parameter's or buffer's storage."""
         return bool(self._frozen) and storage_ptr(value) in self._frozen
 
-    def follow(self, args, step: int, session) -> tuple[str, list[int]]:
+    def follow(self, args, step: int) -> tuple[str, list[int]]:
         """Look at the parameters' addresses in this call's ``args`` (call ``step``):
         ``(FIRST, pooled)`` at the first look (``pooled``: those in a capture pool, another
         graph's outputs the model rebound them to), ``(SAME, [])``, ``(REBOUND, moved)`` for
@@ -89,7 +89,7 @@ class StaticInputs:
             # reuses and the ledger may move a held tensor out of, so its address says nothing
             # of the tensor it holds. (An output of an uncaptured run, a KV cache made in a
             # prefill, is the caller's.)
-            return FIRST, [i for i in self.params if session.in_pool(args[i])]
+            return FIRST, [i for i in self.params if provenance.RECORD.in_pool(args[i])]
         if ptrs == self._ptrs:
             return SAME, []
         moved = [i for i, a, b in zip(self.params, ptrs, self._ptrs, strict=True) if a != b]
@@ -97,7 +97,7 @@ class StaticInputs:
         # The model rebinding its buffers moves them on consecutive steps, or to memory fxsplit
         # produced (an output); reloading weights (load_state_dict(assign=True)) moves them once
         # in a while, to the caller's memory.
-        produced = any(session.produced(args[i]) for i in moved)
+        produced = any(provenance.RECORD.produced(args[i]) for i in moved)
         rebound = []
         for i in moved:
             if produced or self._moves.get(i) == step - 1:
@@ -119,7 +119,7 @@ class StaticInputs:
         volatile = self.volatile
         return [i for i in self.runner_inputs if self.placeholders[i].name in volatile]
 
-    def settled(self, args, session) -> list[int]:
+    def settled(self, args) -> list[int]:
         """Rebound parameters that were the same tensor at the same address, in the caller's
         memory, for the last ``SETTLED`` calls (weights reloaded on two consecutive calls, then
         left alone) become parameters again, read by address; returns their indices."""
@@ -135,7 +135,7 @@ class StaticInputs:
             # in the pool, a replay may move it (an address says nothing of the tensor); an
             # uncaptured run's output (a cache made in a prefill) is the caller's memory, and
             # stays "produced" until its graph runs again
-            if calls >= SETTLED and not session.in_pool(value):
+            if calls >= SETTLED and not provenance.RECORD.in_pool(value):
                 settled.append(i)
         if settled:
             for i in settled:
