@@ -24,10 +24,12 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import fxsplit
 from fxsplit import counters
 from fxsplit.models import deepseek_v4 as ds
+from fxsplit.runtime import provenance
 from fxsplit.runtime.binding import RUNNER, BindingError
 from fxsplit.runtime.emulator import CaptureError
 from fxsplit.runtime.verify import VerifyError
@@ -611,6 +613,30 @@ def test_two_backends_share_no_stats():
     assert sum(t["replays"] for t in _piece_totals(backend_a).values()) == 2
     assert sum(t["replays"] for t in _piece_totals(backend_b).values()) == 6
     assert counters.snapshot()["replays"] == 8  # the process-wide view adds both
+
+
+def test_two_backends_see_each_others_memory_through_the_one_record():
+    """Which memory fxsplit produced is one record for the process
+    (:data:`fxsplit.runtime.provenance.RECORD`): an output of a model compiled with one backend
+    is fxsplit's memory for every backend; a reset takes that backend's pools out of the record
+    (the output it handed out moves to memory of its own: the caller's), and the record keeps
+    no output alive."""
+    model_a, backend_a = _compile(_net(0), eager_regions=[MID])
+    model_b, _ = _compile(_net(1), eager_regions=[MID])
+    with torch.no_grad():
+        for i in range(3):
+            out_a, out_b = model_a(_x(2, i)), model_b(_x(2, i))
+    assert sum(t["replays"] for t in _piece_totals(backend_a).values()) == 2
+    record = provenance.RECORD
+    assert record.in_pool(out_a) and record.produced(out_a)
+    assert record.in_pool(out_b) and record.produced(out_b)
+    assert not record.produced(_x(2, 0))
+    backend_a.reset()
+    assert not record.in_pool(out_a) and not record.produced(out_a)
+    assert record.in_pool(out_b) and record.produced(out_b)
+    storage = StorageWeakRef(out_b.untyped_storage())
+    del out_b
+    assert storage.expired()
 
 
 # ---------------------------------------------------------------------------------------------
