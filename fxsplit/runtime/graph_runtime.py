@@ -95,7 +95,8 @@ class GraphRuntime:
         self._logged_sizes: set[int] = set()
         self._steps = 0
         self._recaptures: list[int] = []  # steps at which a parameter move dropped the graphs
-        self._entered = frame is None or frame.entered
+        # compiled from the frame the caller entered: a call starts a step of the model
+        self.entered = frame is None or frame.entered
 
         stitched = split.stitched
         self._placeholders = list(stitched.graph.find_nodes(op="placeholder"))
@@ -241,7 +242,7 @@ class GraphRuntime:
         session = self.session
         session.own(self.graph_id)
         try:
-            session.begin_call(self, self._entered)
+            session.begin_call(self, self.entered)
             try:
                 return self._call(session, args)
             finally:
