@@ -72,7 +72,9 @@ def test_a_moved_view_of_a_buffer_runs_uncaptured_for_that_call():
 
 def test_a_cache_handed_in_as_a_plain_argument_is_held_once_across_capture_keys():
     """Under copy binding a KV cache handed in as an argument is copied into one static buffer
-    that every capture key of every piece shares, not one per key."""
+    that every capture key of every piece shares, not one per key: at most once a call (the
+    caller may refill a tensor it reads where the version counter does not see, so a call
+    copies it again; tests/test_field_cases.py, staging tensors)."""
     cache = torch.randn(64, 32, D)  # 64 KiB
 
     def f(x, kv):
@@ -91,9 +93,8 @@ def test_a_cache_handed_in_as_a_plain_argument_is_held_once_across_capture_keys(
     held = {id(b.static) for b in runtime.context.buffers if b.static.numel() == cache.numel()}
     assert len(held) == 1
     assert _replays(backend) > 0
-    # copied once (the first capture), never again: the same tensor with the same version
     copies = sum(p.stats.copies_by_input.get("l_kv_", 0) for p in runtime.pieces)
-    assert copies == 0, copies
+    assert copies <= _replays(backend), copies
 
 
 def test_two_inputs_that_were_one_tensor_at_capture_are_refused_when_they_differ():

@@ -57,12 +57,10 @@ def test_demo_at_80_columns_labels_every_plan_and_cuts_no_word(monkeypatch):
         assert f"  {word:<13}{meaning}\n" in text
     # which graph, which step or length, which runner is the default
     assert "\ngraph_0 (step 0), runner v1: 5 pieces (3 captured, 2 eager)\n" in text
-    assert (
-        "DeepSeek-V4 decode, runner v2 (its default_runner); metadata: persistent buffers" in text
-    )
+    assert "DeepSeek-V4 decode, runner v2 (its default); metadata: persistent buffers" in text
     assert "\nplan 1: graph_0 (seq_len 5), runner v1: 13 pieces (7 captured, 6 eager)\n" in text
     assert "\nplan 2: graph_0 (seq_len 8), runner v1: 15 pieces (8 captured, 7 eager)\n" in text
-    assert "transformers DeepseekV4ForCausalLM prefill, runner v2 (its default_runner)" in text
+    assert "transformers DeepseekV4ForCausalLM prefill, runner v2 (its default)" in text
     titles = [line for line in text.splitlines() if re.match(r"(plan \d+: )?graph_\d+ \(", line)]
     assert len(titles) >= 6 and len(set(titles)) == len(titles), titles  # one title per plan
     # v2 captures attention input preparation: its region reads as captured, not as eager
@@ -252,7 +250,7 @@ def test_demo_model_runs_both_runners_default_first_and_cuts_no_word(monkeypatch
     text = console.text
     assert max(len(line) for line in text.splitlines()) <= 80
     assert not cut_words(console)
-    assert "Qwen2MoeForCausalLM, runner v2 (its default_runner), capture emulate" in text
+    assert "Qwen2MoeForCausalLM, runner v2 (its default), capture emulate" in text
     assert "graph_0 (prefill), runner v2: 5 pieces (3 captured, 2 eager)" in text
     assert "runner v1: prefill 5 tokens, then 1 per decode step" in text
     assert "decode 2" in text and "all comparisons passed" in text
@@ -285,7 +283,7 @@ def test_tp_table_at_80_columns_cuts_no_word():
     text = console.text
     assert max(len(line) for line in text.splitlines()) <= 80
     assert not cut_words(console) and "…" not in text
-    assert "2.4e-07" in text and "(its default_runner)" in text  # v2, DeepSeek-V4's default runner
+    assert "2.4e-07" in text and "v2: DeepSeek-V4's default_runner" in text
 
 
 def test_tp_demo_names_an_error_every_rank_raised_once(monkeypatch, capsys):

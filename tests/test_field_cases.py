@@ -604,3 +604,31 @@ def test_a_returned_view_in_its_inputs_layout_is_a_tensor_of_its_own():
             assert torch.equal(model(x), _RelayoutsAView()(xe)), step
             assert x.stride() == xe.stride() == (4, 1), step
     assert_replayed(backend)
+
+
+# ---------------------------------------------------------------------------------------------
+# A caller's staging tensor refilled where the version counter does not see it
+
+
+@pytest.mark.parametrize("refill", ["numpy", "data"])
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_staging_tensor_refilled_through_numpy_or_data_is_copied_again(refill, mode):
+    """Found by a hunt: an engine keeps one CPU staging tensor and refills it every step through
+    NumPy (``buf.numpy()[:] = ...``) or ``buf.data.copy_``; neither bumps ``buf``'s version
+    counter. fxsplit took "same tensor, same address, same version" for "unchanged since the last
+    copy" and replayed the previous step's input from step 2 on (wrong by 0.07, no warning). A
+    buffer's copy now counts only within the call that made it."""
+    torch.manual_seed(0)
+    eager = RegionMlp(16)
+    torch.manual_seed(0)
+    model, backend = _compile(RegionMlp(16), eager_regions=[eager.region])
+    buf = torch.zeros(8, 16)
+    with mode():
+        for step in range(6):
+            new = _data((8, 16), step)
+            if refill == "numpy":
+                buf.numpy()[:] = new.numpy()
+            else:
+                buf.data.copy_(new)
+            assert torch.equal(model(buf), eager(buf)), step
+    assert_replayed(backend, at_least=3)

@@ -145,6 +145,7 @@ class CapturedPiece(torch.nn.Module):
                     f"inputs {self.specs[i].name!r} and {self.specs[j].name!r} were one tensor "
                     "at capture and share one static buffer, but this call hands two"
                 )
+        call = self.context.calls
         for i, static, ptr, bind, buffer in entry.checks:
             value = inputs[i]
             if value is static:
@@ -153,7 +154,7 @@ class CapturedPiece(torch.nn.Module):
                 if value.data_ptr() == ptr and value.stride() == static.stride():
                     continue
                 raise self._moved(i, value, ptr, bind)
-            if buffer.holds(value):
+            if buffer.holds(value, call):
                 continue
             region = buffer.region
             if buffer.pooled:  # the earlier piece ran uncaptured: refill its output's memory
@@ -168,7 +169,7 @@ class CapturedPiece(torch.nn.Module):
                     f"input {self.specs[i].name!r} overlaps itself (e.g. expanded) and this "
                     "call's strides differ from the capture's"
                 )
-            buffer.remember(value)
+            buffer.remember(value, call)
             counts = entry.counts
             counts["input_copies"] += 1
             counts["input_copy_bytes"] += value.nbytes
@@ -206,7 +207,7 @@ class CapturedPiece(torch.nn.Module):
             value = inputs[i]
             if bind is _OWN and value is not static:
                 value.copy_(static)
-                buffer.remember(value)
+                buffer.remember(value, self.context.calls)
             elif not static.is_inference():
                 # A CUDA graph's writes bypass the version counter; keep it truthful.
                 _increment_version(static)

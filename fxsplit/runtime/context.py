@@ -39,6 +39,7 @@ class GraphContext:
             that never replays in terms of its traced graph).
         statics: the graph's :class:`~fxsplit.runtime.static_inputs.StaticInputs`.
         capture_step: this call may capture and replay (set by the runtime every call).
+        calls: the graph's calls so far, this one included.
         static_outputs: ``id`` -> the captured pieces' outputs in fxsplit's memory.
         buffers: fxsplit's own buffers for the caller's tensors.
     """
@@ -56,6 +57,7 @@ class GraphContext:
     split: Split
     statics: StaticInputs
     capture_step: bool = False
+    calls: int = 0
     static_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     buffers: OwnBuffers = field(default_factory=OwnBuffers)
 

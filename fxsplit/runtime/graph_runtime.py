@@ -93,7 +93,6 @@ class GraphRuntime:
         self.capture_sizes = frozenset(config.capture_sizes) if config.capture_sizes else None
         self._warned: set[str] = set()
         self._logged_sizes: set[int] = set()
-        self._steps = 0
         self._recaptures: list[int] = []  # steps at which a parameter move dropped the graphs
         # compiled from the frame the caller entered: a call starts a step of the model
         self.entered = frame is None or frame.entered
@@ -251,7 +250,7 @@ class GraphRuntime:
             session.disown()
 
     def _call(self, session: CaptureSession, args: tuple):
-        self._steps += 1
+        self.context.calls += 1
         pool = self.pool
         if pool is not None:
             pool.ledger.check_inputs(args, self.graph_id)
@@ -339,7 +338,7 @@ class GraphRuntime:
         weights moved, or make those the model rebinds runner inputs; returns the private
         copies taken of rebound ones that are earlier outputs
         (:func:`~fxsplit.runtime.hand_out.take_over`), or None."""
-        what, indices = self.statics.follow(args, self._steps)
+        what, indices = self.statics.follow(args, self.context.calls)
         if what in (FIRST, REBOUND):
             return self._rebind(indices, args) if indices else None
         if what == SAME:
@@ -410,7 +409,7 @@ class GraphRuntime:
 
     def _note_recapture(self, reason: str) -> None:
         """Warn once when the graph recaptured more than a few times within a few steps."""
-        steps = self._steps
+        steps = self.context.calls
         self._recaptures = [s for s in self._recaptures if s > steps - 10] + [steps]
         if len(self._recaptures) > 3:
             self._warn_once(

@@ -24,9 +24,10 @@ class OwnBuffer:
     and piece of a graph that captured that view (a KV cache handed in as a plain argument is
     held once), or an earlier captured piece's output read where it lies (``pooled``: memory
     of the pool, whose handed-out outputs a copy into it must invalidate first); ``mark``
-    remembers the value last copied in (:meth:`remember`)."""
+    remembers the value last copied in (:meth:`remember`); ``state``: a piece writes the
+    tensor (the model's state handed in, a KV cache: the model, not the caller, changes it)."""
 
-    __slots__ = ("mark", "pooled", "rebound", "region", "source", "static")
+    __slots__ = ("mark", "pooled", "rebound", "region", "source", "state", "static")
 
     def __init__(self, static, region, source, pooled: bool = False):
         self.static = static
@@ -34,25 +35,33 @@ class OwnBuffer:
         self.source = source  # weak reference to the caller's storage it mirrors
         self.pooled = pooled
         self.rebound = False
+        self.state = False
         self.mark = None
 
-    def remember(self, value: torch.Tensor) -> None:
-        """``value`` was just copied in: remember it (a weak reference, its version and data
-        pointer), telling the next call whether it changed since. Nothing is remembered where
-        the version counter cannot tell: an inference tensor has none, and a replay changes a
+    def remember(self, value: torch.Tensor, call: int) -> None:
+        """``value`` was just copied in at the graph's call number ``call``: remember it (a
+        weak reference, its version, data pointer and the call), telling the other pieces of
+        that call whether it changed since. Only within one call: between calls the caller may
+        refill the tensor where its version counter does not see it (through NumPy, DLPack or
+        ``.data``, as engines fill their staging buffers), except for ``state``, which the
+        model writes and the caller hands back unchanged (a cache copied every step would
+        cost its size a step). Nothing is remembered where the
+        version counter cannot tell: an inference tensor has none, and a replay changes a
         captured graph's output unseen; nor for a ``rebound`` parameter (see
         :class:`~fxsplit.runtime.binding.InputSpec`), which is copied every call."""
         if self.rebound or value.is_inference() or provenance.RECORD.captured_output(value):
             self.mark = None
         else:
-            self.mark = weakref.ref(value), value._version, value.data_ptr()
+            self.mark = weakref.ref(value), value._version, value.data_ptr(), call
 
-    def holds(self, value: torch.Tensor) -> bool:
+    def holds(self, value: torch.Tensor, call: int) -> bool:
         """Whether the buffer holds ``value``'s values: the same tensor, at the same address,
-        unchanged (its version counter) since it was last copied in."""
+        unchanged (its version counter) since it was copied in earlier in call ``call`` (or
+        at any call, for ``state``)."""
         mark = self.mark
         return (
             mark is not None
+            and (mark[3] == call or self.state)
             and mark[0]() is value
             and mark[1] == value._version
             and mark[2] == value.data_ptr()
@@ -65,18 +74,22 @@ class OwnBuffers:
     def __init__(self):
         self._buffers: dict[tuple, OwnBuffer] = {}
 
-    def get(self, value: torch.Tensor, rebound: bool = False) -> OwnBuffer:
+    def get(
+        self, value: torch.Tensor, call: int, rebound: bool = False, written: bool = False
+    ) -> OwnBuffer:
         """fxsplit's static buffer for the caller's ``value`` holding its values, shared by
         every piece and capture key of the graph that captured the same view of the same
-        tensor; ``rebound``: ``value`` is a rebound parameter (copied every call)."""
+        tensor; ``call``: the graph's call number; ``rebound``: ``value`` is a rebound
+        parameter (copied every call); ``written``: the capturing piece writes it."""
         key = buffer_key(value)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.source.expired():
             buffer = self._buffers[key] = new_own_buffer(value)
-            buffer.rebound = rebound
+            buffer.rebound, buffer.state = rebound, written
             return buffer
         buffer.rebound |= rebound
-        if not buffer.holds(value):
+        buffer.state |= written
+        if not buffer.holds(value, call):
             target = buffer.static if buffer.region is None else buffer.region
             source = (
                 value
@@ -85,7 +98,7 @@ class OwnBuffers:
             )
             with torch.no_grad():
                 target.copy_(source)
-            buffer.remember(value)
+            buffer.remember(value, call)
         return buffer
 
     def __iter__(self):

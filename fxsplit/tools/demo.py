@@ -92,7 +92,7 @@ def _equal(got: torch.Tensor, want: torch.Tensor, compiled: bool) -> tuple[bool,
 
 def _runner_label(runner: str, architecture: str) -> str:
     default = fxsplit.runners.default_runner(architecture)
-    return f"runner {runner}" + (" (its default_runner)" if runner == default else "")
+    return f"runner {runner}" + (" (its default)" if runner == default else "")
 
 
 def _plan_title(plan: SplitPlan, when: str) -> str:

@@ -254,7 +254,8 @@ def render(results: list[dict], world_size: int):
     parts = [plan_table(plan) for plans in results[0]["split_plans"].values() for plan in plans]
     default = fxsplit.runners.default_runner("DeepseekV4ForCausalLM")
     title = f"DeepSeek-V4 decode, tensor parallel {world_size}, vs one process, all ranks"
-    steps = Table(title=title, min_width=len(title))
+    caption = f"{default}: DeepSeek-V4's default_runner"
+    steps = Table(title=title, caption=caption, min_width=len(title))
     steps.add_column("runner")
     for column in ("step", "batch"):
         steps.add_column(column, justify="right")
@@ -266,11 +267,7 @@ def render(results: list[dict], world_size: int):
     shown = None
     for row in _rows(results):
         runner = row["runner"]  # named on its first row only
-        label = (
-            ""
-            if runner == shown
-            else runner + (" (its default_runner)" if runner == default else "")
-        )
+        label = "" if runner == shown else runner
         shown = runner
         steps.add_row(
             label,
