@@ -435,3 +435,17 @@ def test_cache_dir_defaults(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache.cache_dir() == tmp_path / "xdg" / "fxsplit"
     assert cache.cache_dir("/elsewhere") == cache.cache_dir("/elsewhere")
+
+
+@pytest.mark.parametrize("action", ["info", "clear"])
+def test_cache_command_before_anything_was_compiled_says_so_and_succeeds(
+    tmp_path, capsys, monkeypatch, action
+):
+    """Found by a newcomer's walkthrough: on a fresh machine ``fxsplit cache info`` failed with
+    "no cache folder". The default folder not existing yet is no error (a missing folder given
+    with ``--cache-dir`` still is)."""
+    missing = tmp_path / "fresh"
+    monkeypatch.setenv(cache.ENV, str(missing))
+    assert cli.main(["cache", action]) == 0
+    assert "0 compiled pieces" in capsys.readouterr().out
+    assert not missing.exists()

@@ -179,6 +179,9 @@ def _cache(args) -> int:
     from fxsplit import cache
 
     root = cache.cache_dir(args.cache_dir)
+    if args.cache_dir is None and not root.exists():  # the default folder: nothing compiled yet
+        print(f"{root}: no cache folder yet (nothing compiled into it): 0 compiled pieces")
+        return 0
     try:
         if args.action == "clear":
             print(f"deleted {cache.clear(root)} compiled pieces and failure markers from {root}")
