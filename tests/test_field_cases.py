@@ -632,3 +632,27 @@ def test_a_staging_tensor_refilled_through_numpy_or_data_is_copied_again(refill,
                 buf.data.copy_(new)
             assert torch.equal(model(buf), eager(buf)), step
     assert_replayed(backend, at_least=3)
+
+
+def test_a_cache_the_model_writes_and_the_caller_refills_through_numpy_is_read():
+    """Found by a second hunt: a cache handed in every call, written in place by a captured
+    piece (``index_copy_``), which the caller also refills through NumPy between calls. Trusting
+    its version counter across calls replayed the old values (wrong by 41, no warning)."""
+
+    def f(x, cache):
+        cache.index_copy_(0, torch.tensor([0]), x[:1])
+        h = cache.sum(0) * 2.0
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        return h + x
+
+    model, backend = _compile(f, dynamic=False)
+    cache_c, cache_e = torch.zeros(4, 8), torch.zeros(4, 8)
+    with torch.no_grad():
+        for step in range(6):
+            x = _data((2, 8), step)
+            for cache in (cache_c, cache_e):
+                cache.numpy()[:] = step + 1.0
+            assert torch.equal(model(x, cache_c), f(x, cache_e)), step
+            assert torch.equal(cache_c, cache_e), step
+    assert_replayed(backend, at_least=3)

@@ -519,8 +519,7 @@ def test_runner_input_aliasing_a_written_module_buffer_keeps_eager_numbers():
 def test_a_runner_input_the_model_only_reads_is_copied_at_every_replay():
     """Even handed unchanged (the same tensor, address and version): the caller may refill it
     where the version counter does not see (NumPy, ``.data``), as engines fill staging
-    buffers. What the model writes is its state, copied only when changed
-    (``test_transformers_static_cache_generate_..._never_copies_the_cache``)."""
+    buffers."""
 
     def f(x, cache):
         return torch.ops.fxsplit_own.fresh(x * cache.sum())
@@ -648,7 +647,12 @@ def test_analysis_failure_logs_and_runs_uncaptured(caplog, monkeypatch):
     assert all(sum(r.values()) == 3 for r in refused), refused
 
 
-def test_transformers_static_cache_generate_replays_every_piece_and_never_copies_the_cache():
+def test_transformers_static_cache_generate_replays_every_piece_and_copies_the_cache_once_a_call():
+    """transformers' StaticCache, made in a compiled forward, is not marked static (its lazy
+    init marks it only outside Dynamo), so its tensors are plain arguments the model writes:
+    copied in once a call (not once a piece), since the caller may write them where the version
+    counter does not see (tests/test_field_cases.py). Marking them
+    (``torch._dynamo.mark_static_address``) binds them by address instead."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -680,7 +684,8 @@ def test_transformers_static_cache_generate_replays_every_piece_and_never_copies
         for name, n in p.stats.copies_by_input.items()
         if "keys" in name or "values" in name or "cumulative_length" in name
     }
-    assert not cache_copies, cache_copies
+    calls = decode.context.calls
+    assert cache_copies and all(n <= calls for n in cache_copies.values()), (cache_copies, calls)
 
 
 # Found by an adversarial review (each once returned a wrong number with no error).

@@ -27,11 +27,14 @@ under ``"emulate"`` the model is called several times with new data of one batch
 second one, so warm-up, capture and replays all happen, into one memory pool that reuses freed
 memory as the CUDA caching allocator does, and a program with captured pieces must have
 replayed (``fxsplit.counters``). Runner v2 gets persistent input buffers refilled in place (its
-contract); the others get fresh tensors. Loud outcomes are allowed where they are the contract:
-under ``on_capture_error="raise"`` a capture refusal (the same case under ``"fallback"`` must
-count one), and ``StaleOutputError`` for an output fed back into a step whose first graph does
-not read it, or, on torch 2.11 (which cannot move a storage), for the model's rebound state
-overwritten by another graph's replay (the case must then pass with ``clone_outputs``).
+contract), and so may a caller under the other bindings (its staging tensors), through
+``copy_``, ``.data`` or NumPy (unseen by the version counter); eager gets buffers of its own,
+refilled the same way; otherwise both get fresh tensors. Loud outcomes are allowed where they
+are the contract: under ``on_capture_error="raise"`` a capture refusal (the same case under
+``"fallback"`` must count one), and ``StaleOutputError`` for an output fed back into a step
+whose first graph does not read it, or, on torch 2.11 (which cannot move a storage), for the
+model's rebound state overwritten by another graph's replay (the case must then pass with
+``clone_outputs``).
 
 Profiles (``tests/conftest.py``, selected by ``HYPOTHESIS_PROFILE``): ``ci`` (default, 200
 examples, derandomized) and ``long`` (10,000 random examples):
@@ -470,6 +473,11 @@ class Case:
     dynamic: bool = True
     outer_grad: bool = False
     inference: bool = False  # without outer_grad: the calls run under inference_mode, not no_grad
+    # the caller refills one buffer per batch size (as runners do, and a staging tensor under
+    # copy binding), through copy_, .data.copy_ or NumPy (neither of the last two bumps the
+    # version counter)
+    staging: bool = False
+    refill: str = "copy_"
     splitting_ops: tuple[str, ...] = ()
     eager_modules: tuple[str, ...] = ()
     sizes: tuple[int, int] = (3, 5)
@@ -575,7 +583,9 @@ def cases(draw):
         capture=draw(st.sampled_from(("emulate", "emulate", "off"))),
         dynamic=draw(st.booleans()),
         outer_grad=draw(st.booleans()),
-        inference=draw(st.integers(0, 2)) == 2,
+        inference=draw(st.booleans()),
+        staging=draw(st.integers(0, 3)) == 3,
+        refill=draw(st.sampled_from(("copy_", "copy_", "data", "numpy"))),
         splitting_ops=tuple(draw(st.lists(st.sampled_from(SPLITTING_OPS), unique=True))),
         eager_modules=eager_modules,
         sizes=(b1, b2),
@@ -649,6 +659,7 @@ FEATURES = (
     "late_capture",
     "on_capture_error=raise",
     "inference_mode",
+    "refilled_unseen",
 )
 
 _OP_FEATURES = {
@@ -731,6 +742,8 @@ def features(case: Case) -> set[str]:
         found.add("on_capture_error=raise")
     if case.inference and not case.outer_grad:
         found.add("inference_mode")
+    if _persistent(case) and case.refill != "copy_":
+        found.add("refilled_unseen")
     flat = list(_flatten(case.program))
     saved_at = None  # position of the first size_save
     for pos, (ins, path, grad) in enumerate(flat):
@@ -783,8 +796,8 @@ def _schedule(case: Case) -> list[int]:
         # fed-back transposed view alternates between two layouts call after call, so each of
         # two graphs needs the calls of one
         runs = 2 * runs + 1
-    persistent = case.binding == "strict" or (RUNNERS[case.runner] == "v2" and not case.binding)
-    if persistent and any(ins[:2] == ("meta", "relayout_") for ins, _, _ in _flatten(case.program)):
+    relayouts = any(ins[:2] == ("meta", "relayout_") for ins, _, _ in _flatten(case.program))
+    if _persistent(case) and relayouts:
         # the model may change the layout of the runner's own input buffer in place, which
         # then alternates between two layouts call after call: a graph for each
         runs = 2 * runs + 1
@@ -799,6 +812,26 @@ def _schedule(case: Case) -> list[int]:
             size = captured[0]
         schedule += [size] * (runs + 3)
     return schedule
+
+
+def _persistent(case: Case) -> bool:
+    """Whether the caller hands its own buffers, one per batch size, refilled in place: strict
+    binding, v2 (whose contract it is), or a caller's staging tensors."""
+    return (
+        case.binding == "strict"
+        or (RUNNERS[case.runner] == "v2" and not case.binding)
+        or case.staging
+    )
+
+
+def _refill(buffer: torch.Tensor, value: torch.Tensor, how: str) -> None:
+    """``buffer``'s values become ``value``'s, written as ``how`` writes them."""
+    if how == "numpy":
+        buffer.numpy()[...] = value.numpy()
+    elif how == "data":
+        buffer.data.copy_(value)
+    else:
+        buffer.copy_(value)
 
 
 def _reloads(case: Case, steps: int) -> dict[int, list[str]]:
@@ -1026,8 +1059,7 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
     exact = options.get("compile_pieces", "auto") != "inductor"
     fullgraph = not any(ins[0] == "graph_break" for ins in case.program)
     compiled = torch.compile(model, backend=backend, dynamic=case.dynamic, fullgraph=fullgraph)
-    # strict binding: the runner hands its own persistent buffers, refilled in place
-    persistent = case.binding == "strict" or (RUNNERS[case.runner] == "v2" and not case.binding)
+    persistent = _persistent(case)
     held: list[tuple[torch.Tensor, torch.Tensor]] = []  # caller tensors of earlier steps
     kept: list[tuple] = []  # (expected, got, step, caller buffers) the caller keeps
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -1056,8 +1088,8 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
             if persistent:  # a v2 runner refills its own buffers (reading got[0] first)
                 new_y = got[0].clone() if fed else y
                 xc, yc = buffers.setdefault(b, (torch.empty_like(x), torch.empty_like(y)))
-                xc.copy_(x)
-                yc.copy_(new_y)
+                _refill(xc, x, case.refill)
+                _refill(yc, new_y, case.refill)
                 # eager is called as the runner calls the compiled model: buffers of its own,
                 # refilled in place, so a layout the model changed in place (``as_strided_``
                 # of an input) stays into the next step for both

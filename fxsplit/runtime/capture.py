@@ -47,7 +47,7 @@ def capture(piece, key, inputs) -> Entry:
         else:
             bind = binding.bind(spec, context.binding, provenance.RECORD.produced(value))
             if bind is _OWN:
-                buffer = context.buffers.get(value, context.calls, spec.rebound, spec.written)
+                buffer = context.buffers.get(value, context.calls, spec.rebound)
         binds.append(bind)
         buffers.append(buffer)
         statics.append(buffer.static if buffer is not None else value)

@@ -24,10 +24,9 @@ class OwnBuffer:
     and piece of a graph that captured that view (a KV cache handed in as a plain argument is
     held once), or an earlier captured piece's output read where it lies (``pooled``: memory
     of the pool, whose handed-out outputs a copy into it must invalidate first); ``mark``
-    remembers the value last copied in (:meth:`remember`); ``state``: a piece writes the
-    tensor (the model's state handed in, a KV cache: the model, not the caller, changes it)."""
+    remembers the value last copied in (:meth:`remember`)."""
 
-    __slots__ = ("mark", "pooled", "rebound", "region", "source", "state", "static")
+    __slots__ = ("mark", "pooled", "rebound", "region", "source", "static")
 
     def __init__(self, static, region, source, pooled: bool = False):
         self.static = static
@@ -35,7 +34,6 @@ class OwnBuffer:
         self.source = source  # weak reference to the caller's storage it mirrors
         self.pooled = pooled
         self.rebound = False
-        self.state = False
         self.mark = None
 
     def remember(self, value: torch.Tensor, call: int) -> None:
@@ -43,9 +41,8 @@ class OwnBuffer:
         weak reference, its version, data pointer and the call), telling the other pieces of
         that call whether it changed since. Only within one call: between calls the caller may
         refill the tensor where its version counter does not see it (through NumPy, DLPack or
-        ``.data``, as engines fill their staging buffers), except for ``state``, which the
-        model writes and the caller hands back unchanged (a cache copied every step would
-        cost its size a step). Nothing is remembered where the
+        ``.data``, as engines fill their staging buffers; a cache the model writes alike).
+        Nothing is remembered where the
         version counter cannot tell: an inference tensor has none, and a replay changes a
         captured graph's output unseen; nor for a ``rebound`` parameter (see
         :class:`~fxsplit.runtime.binding.InputSpec`), which is copied every call."""
@@ -56,12 +53,11 @@ class OwnBuffer:
 
     def holds(self, value: torch.Tensor, call: int) -> bool:
         """Whether the buffer holds ``value``'s values: the same tensor, at the same address,
-        unchanged (its version counter) since it was copied in earlier in call ``call`` (or
-        at any call, for ``state``)."""
+        unchanged (its version counter) since it was copied in earlier in call ``call``."""
         mark = self.mark
         return (
             mark is not None
-            and (mark[3] == call or self.state)
+            and mark[3] == call
             and mark[0]() is value
             and mark[1] == value._version
             and mark[2] == value.data_ptr()
@@ -74,21 +70,18 @@ class OwnBuffers:
     def __init__(self):
         self._buffers: dict[tuple, OwnBuffer] = {}
 
-    def get(
-        self, value: torch.Tensor, call: int, rebound: bool = False, written: bool = False
-    ) -> OwnBuffer:
+    def get(self, value: torch.Tensor, call: int, rebound: bool = False) -> OwnBuffer:
         """fxsplit's static buffer for the caller's ``value`` holding its values, shared by
         every piece and capture key of the graph that captured the same view of the same
         tensor; ``call``: the graph's call number; ``rebound``: ``value`` is a rebound
-        parameter (copied every call); ``written``: the capturing piece writes it."""
+        parameter (copied every call)."""
         key = buffer_key(value)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.source.expired():
             buffer = self._buffers[key] = new_own_buffer(value)
-            buffer.rebound, buffer.state = rebound, written
+            buffer.rebound = rebound
             return buffer
         buffer.rebound |= rebound
-        buffer.state |= written
         if not buffer.holds(value, call):
             target = buffer.static if buffer.region is None else buffer.region
             source = (
