@@ -1979,3 +1979,31 @@ def test_regression_an_input_buffer_whose_layout_the_model_changes_stays_changed
             seed=6691,
         )
     )
+
+
+def test_regression_a_staging_input_the_model_writes_refilled_through_data_is_read():
+    """Found by the CI profile once it drew staging tensors: the model writes the caller's
+    ``x`` through a transposed view, and the caller refills its staging ``x`` through
+    ``.data`` between calls (the version counter does not move). fxsplit took ``x`` for
+    unchanged since its last copy and replayed the old values."""
+    run_case(
+        Case(
+            program=(
+                ("graph_break",),
+                ("module", 0, 0),
+                ("grad", False, (("write_view", "T", "copy_", 0, 0),)),
+                ("region", "attn_prep", (("unary", "relu", 0), ("store", "dict", 0))),
+                ("unary", "relu", 0),
+                ("stash", 12, 0),
+            ),
+            outputs=(0,),
+            dynamic=False,
+            outer_grad=True,
+            staging=True,
+            refill="data",
+            eager_modules=("PropMlp",),
+            sizes=(2, 3),
+            ints=(0, 0),
+            warmup_runs=0,
+        )
+    )
