@@ -42,10 +42,9 @@ class OwnBuffer:
         that call whether it changed since. Only within one call: between calls the caller may
         refill the tensor where its version counter does not see it (through NumPy, DLPack or
         ``.data``, as engines fill their staging buffers; a cache the model writes alike).
-        Nothing is remembered where the
-        version counter cannot tell: an inference tensor has none, and a replay changes a
-        captured graph's output unseen; nor for a ``rebound`` parameter (see
-        :class:`~fxsplit.runtime.binding.InputSpec`), which is copied every call."""
+        Nothing is remembered where the version counter cannot tell: an inference tensor has
+        none, and a replay changes a captured graph's output unseen; nor for a ``rebound``
+        parameter (see :class:`~fxsplit.runtime.binding.InputSpec`), copied every call."""
         if self.rebound or value.is_inference() or provenance.RECORD.captured_output(value):
             self.mark = None
         else:
