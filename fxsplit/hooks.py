@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fxsplit.config import Config
-    from fxsplit.passes import Split
     from fxsplit.runtime.graph_runtime import GraphRuntime
+    from fxsplit.split_result import Split
 
 __all__ = ["TOOLS", "BuiltGraph", "built", "register"]
 

@@ -15,7 +15,7 @@ from fxsplit.warn import warn_at_caller
 if TYPE_CHECKING:
     from fxsplit.config import Config
     from fxsplit.frame import Frame
-    from fxsplit.passes import Split
+    from fxsplit.split_result import Split
 
 __all__ = ["argument_name", "size_input_index", "size_input_indices", "size_inputs", "traced_size"]
 

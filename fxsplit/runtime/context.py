@@ -15,10 +15,10 @@ import torch
 from fxsplit.runtime.static_buffers import OwnBuffers
 
 if TYPE_CHECKING:
-    from fxsplit.passes import Split
     from fxsplit.runtime.pool import MemoryPool
     from fxsplit.runtime.session import CaptureSession
     from fxsplit.runtime.static_inputs import StaticInputs
+    from fxsplit.split_result import Split
 
 __all__ = ["GraphContext"]
 
@@ -35,7 +35,7 @@ class GraphContext:
         capture_sizes: the ``capture_sizes`` option as a set, or None.
         pool: the :class:`~fxsplit.runtime.pool.MemoryPool` (None when checking).
         session: the backend's :class:`~fxsplit.runtime.session.CaptureSession`.
-        split: the graph's :class:`~fxsplit.passes.Split` (the replay watch explains a piece
+        split: the graph's :class:`~fxsplit.split_result.Split` (the replay watch explains a piece
             that never replays in terms of its traced graph).
         statics: the graph's :class:`~fxsplit.runtime.static_inputs.StaticInputs`.
         capture_step: this call may capture and replay (set by the runtime every call).

@@ -29,9 +29,9 @@ from fxsplit.runtime.static_inputs import FIRST, REBOUND, SAME, SETTLED, StaticI
 from fxsplit.size_input import size_input_index
 from fxsplit.warn import warn_at_caller
 
-if TYPE_CHECKING:  # the compile half's records, never imported at run time
+if TYPE_CHECKING:
     from fxsplit.frame import Frame
-    from fxsplit.passes import Split
+    from fxsplit.split_result import Split
 
 log = logging.getLogger("fxsplit")
 
