@@ -339,3 +339,31 @@ def test_strict_binding_checked_with_capture_off_counts_the_grad_refusal_and_war
     pieces = [p for graph in backend.stats.values() for p in graph.values()]
     refused = [why for p in pieces for why in p["refused"]]
     assert refused and all("grad is enabled" in why for why in refused), backend.stats
+
+
+class _TanhSinLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.sin()
+        return self.b(h)
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_strict_binding_sees_the_callers_tensor_given_new_memory_in_place(capture):
+    """Found by a hunt: the runner's persistent tensor is the same Python object every step, but
+    ``x.set_(new)`` gives it other memory. The address check was skipped for the very object
+    bound at capture, so each replay read the old memory (wrong by 0.48, no warning); the
+    object's address is checked like any other's: a BindingError, as for a moved buffer."""
+    model = torch.compile(_TanhSinLinear(), backend=fxsplit.Backend(capture=capture, runner="v2"))
+    x = torch.zeros(3, D)
+    with torch.no_grad(), pytest.raises(fxsplit.BindingError, match="l_x_"):
+        for step in range(6):
+            x.set_(torch.full((3, D), float(step)))  # same object, new storage
+            assert torch.equal(model(x), _TanhSinLinear()(x)), step
+    assert step == 2  # warm-up, capture, then the first call that hands other memory

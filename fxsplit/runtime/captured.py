@@ -148,13 +148,14 @@ class CapturedPiece(torch.nn.Module):
         call = self.context.calls
         for i, static, ptr, bind, buffer in entry.checks:
             value = inputs[i]
-            if value is static:
-                continue
             if bind is not _OWN:
-                if value.data_ptr() == ptr and value.stride() == static.stride():
+                # the object bound at capture too: ``x.set_(new)`` gives it other memory
+                if value.data_ptr() == ptr and (
+                    value is static or value.stride() == static.stride()
+                ):
                     continue
                 raise self._moved(i, value, ptr, bind)
-            if buffer.holds(value, call):
+            if value is static or buffer.holds(value, call):
                 continue
             region = buffer.region
             if buffer.pooled:  # the earlier piece ran uncaptured: refill its output's memory
