@@ -460,7 +460,8 @@ def run(
             f"{why}: the default capture='auto' would capture nothing here; this demo passes "
             f"capture='emulate', {capture_off.EMULATOR}",
         )
-    print_legend(console)
+    # --model runs under the default warmup_runs: the prefill line is for the DeepSeek sections
+    print_legend(console, LEGEND if model is None else LEGEND[:-1])
     _print_wrapped(console, _tolerance_line(compile_pieces, device))
     dumps = Config().dump_folder
     if dumps:
