@@ -28,13 +28,15 @@ second one, so warm-up, capture and replays all happen, into one memory pool tha
 memory as the CUDA caching allocator does, and a program with captured pieces must have
 replayed (``fxsplit.counters``). Runner v2 gets persistent input buffers refilled in place (its
 contract), and so may a caller under the other bindings (its staging tensors), through
-``copy_``, ``.data`` or NumPy (unseen by the version counter); eager gets buffers of its own,
+``copy_``, ``.data`` or NumPy (unseen by the version counter), or give them new memory
+(``set_``); eager gets buffers of its own,
 refilled the same way; otherwise both get fresh tensors. Loud outcomes are allowed where they
 are the contract: under ``on_capture_error="raise"`` a capture refusal (the same case under
 ``"fallback"`` must count one), and ``StaleOutputError`` for an output fed back into a step
 whose first graph does not read it, or, on torch 2.11 (which cannot move a storage), for the
 model's rebound state overwritten by another graph's replay (the case must then pass with
-``clone_outputs``).
+``clone_outputs``), and ``BindingError`` for a runner input bound by address that the caller
+gave new memory (``set_``).
 
 Profiles (``tests/conftest.py``, selected by ``HYPOTHESIS_PROFILE``): ``ci`` (default, 200
 examples, derandomized) and ``long`` (10,000 random examples):
@@ -474,8 +476,8 @@ class Case:
     outer_grad: bool = False
     inference: bool = False  # without outer_grad: the calls run under inference_mode, not no_grad
     # the caller refills one buffer per batch size (as runners do, and a staging tensor under
-    # copy binding), through copy_, .data.copy_ or NumPy (neither of the last two bumps the
-    # version counter)
+    # copy binding), through copy_, .data.copy_ or NumPy (neither bumps the version counter), or
+    # gives it new memory (set_: the same tensor object, at another address)
     staging: bool = False
     refill: str = "copy_"
     splitting_ops: tuple[str, ...] = ()
@@ -585,7 +587,7 @@ def cases(draw):
         outer_grad=draw(st.booleans()),
         inference=draw(st.booleans()),
         staging=draw(st.integers(0, 3)) == 3,
-        refill=draw(st.sampled_from(("copy_", "copy_", "data", "numpy"))),
+        refill=draw(st.sampled_from(("copy_", "copy_", "data", "numpy", "set_"))),
         splitting_ops=tuple(draw(st.lists(st.sampled_from(SPLITTING_OPS), unique=True))),
         eager_modules=eager_modules,
         sizes=(b1, b2),
@@ -817,16 +819,22 @@ def _schedule(case: Case) -> list[int]:
 def _persistent(case: Case) -> bool:
     """Whether the caller hands its own buffers, one per batch size, refilled in place: strict
     binding, v2 (whose contract it is), or a caller's staging tensors."""
-    return (
-        case.binding == "strict"
-        or (RUNNERS[case.runner] == "v2" and not case.binding)
-        or case.staging
-    )
+    return _strict(case) or case.staging
 
 
-def _refill(buffer: torch.Tensor, value: torch.Tensor, how: str) -> None:
-    """``buffer``'s values become ``value``'s, written as ``how`` writes them."""
-    if how == "numpy":
+def _strict(case: Case) -> bool:
+    """Whether the case's runner inputs are bound by address (``input_binding="strict"``)."""
+    return case.binding == "strict" or (RUNNERS[case.runner] == "v2" and not case.binding)
+
+
+def _refill(buffer: torch.Tensor, value: torch.Tensor, how: str, old: list) -> None:
+    """``buffer``'s values become ``value``'s, written as ``how`` writes them (``set_``: over
+    new memory, its old storage kept in ``old`` so that no later ``set_`` lands at an address
+    it had)."""
+    if how == "set_":
+        old.append(buffer.untyped_storage())
+        buffer.set_(value.clone())
+    elif how == "numpy":
         buffer.numpy()[...] = value.numpy()
     elif how == "data":
         buffer.data.copy_(value)
@@ -962,7 +970,9 @@ def run_case(case: Case) -> fxsplit.Backend:
     graphs from the frame the caller entered (it gave up on that frame and compiled the frames
     the model calls), fxsplit tells steps apart only by a graph called again, so the first call of
     a step to a recompiled graph counts in the step before. Those must end in
-    ``StaleOutputError``, and the case must pass with ``clone_outputs``.
+    ``StaleOutputError``, and the case must pass with ``clone_outputs``. A runner input bound by
+    address that the caller gives new memory (``set_``) must end in ``BindingError``, and the
+    case must pass refilled by ``copy_``.
     """
     try:
         return _run_case(case, made := [])
@@ -975,6 +985,10 @@ def run_case(case: Case) -> fxsplit.Backend:
         assert expected, f"unexpected stale output: {error}"
         assert "clone_outputs" in str(error), error
         return _run_case(dataclasses.replace(case, options={**case.options, "clone_outputs": True}))
+    except fxsplit.BindingError as error:
+        # a strict runner input given new memory (set_) fails at the replay that binds it
+        assert case.refill == "set_" and _strict(case), f"unexpected binding error: {error}"
+        return _run_case(dataclasses.replace(case, refill="copy_"))
     except Exception as error:
         if case.options.get("on_capture_error") != "raise" or not _capture_refusal(error):
             raise
@@ -1064,6 +1078,7 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
     kept: list[tuple] = []  # (expected, got, step, caller buffers) the caller keeps
     buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     buffers_e: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager's, as the runner's
+    old: list[torch.UntypedStorage] = []  # what set_ refills replaced (see _refill)
     grad = _grad_mode(case)
     gen = torch.Generator().manual_seed(case.seed)
     schedule = _schedule(case)
@@ -1088,15 +1103,15 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
             if persistent:  # a v2 runner refills its own buffers (reading got[0] first)
                 new_y = got[0].clone() if fed else y
                 xc, yc = buffers.setdefault(b, (torch.empty_like(x), torch.empty_like(y)))
-                _refill(xc, x, case.refill)
-                _refill(yc, new_y, case.refill)
+                _refill(xc, x, case.refill, old)
+                _refill(yc, new_y, case.refill, old)
                 # eager is called as the runner calls the compiled model: buffers of its own,
                 # refilled in place, so a layout the model changed in place (``as_strided_``
                 # of an input) stays into the next step for both
                 new_y = expected[0].clone() if fed else y
                 xe, ye = buffers_e.setdefault(b, (torch.empty_like(x), torch.empty_like(y)))
-                xe.copy_(x)
-                ye.copy_(new_y)
+                _refill(xe, x, "set_" if case.refill == "set_" else "copy_", old)
+                _refill(ye, new_y, "set_" if case.refill == "set_" else "copy_", old)
             else:
                 xc, yc = x.clone(), (got[0] if fed else y.clone())
             if fed and not persistent:  # the previous step's output (the compiled side's may be
@@ -2003,6 +2018,30 @@ def test_regression_a_staging_input_the_model_writes_refilled_through_data_is_re
             refill="data",
             eager_modules=("PropMlp",),
             sizes=(2, 3),
+            ints=(0, 0),
+            warmup_runs=0,
+        )
+    )
+
+
+def test_regression_a_strict_runner_input_given_new_memory_in_place_is_refused():
+    """Found by a hunt: the runner's persistent ``x`` is the same tensor object every step, but
+    the caller gives it new memory (``x.set_(new)``). The captured piece skipped the address
+    check for the very object it bound and replayed the old memory (the stored hook differed
+    from the first replay); it now ends in ``BindingError``, and refilled by ``copy_`` the case
+    passes."""
+    run_case(
+        Case(
+            program=(
+                ("module", 0, 0),
+                ("region", "attention", (("unary", "sin", 0),)),
+                ("module", 0, 0),
+            ),
+            outputs=(0,),
+            runner="v2",
+            refill="set_",
+            dynamic=False,
+            sizes=(3, 5),
             ints=(0, 0),
             warmup_runs=0,
         )
