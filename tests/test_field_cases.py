@@ -634,6 +634,94 @@ def test_a_staging_tensor_refilled_through_numpy_or_data_is_copied_again(refill,
     assert_replayed(backend, at_least=3)
 
 
+_STAGE = torch.zeros(4, 6)  # an engine's staging tensor, which an eager op refills
+
+
+@torch.library.custom_op("fxsplit_field::refill_stage", mutates_args=())
+def _refill_stage(h: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "numpy":
+        _STAGE.numpy()[:] = (h * 3).numpy()
+    else:
+        _STAGE.data.copy_(h * 3)
+    return h.clone()
+
+
+@_refill_stage.register_fake
+def _(h, how):
+    return torch.empty_like(h)
+
+
+@torch.library.custom_op("fxsplit_field::write_into", mutates_args=("buf",))
+def _write_into(buf: torch.Tensor, h: torch.Tensor) -> None:
+    buf.copy_(h * 3)
+
+
+@_write_into.register_fake
+def _(buf, h):
+    return None
+
+
+class _ReadsAcrossAnEagerWrite(torch.nn.Module):
+    """Two captured pieces read ``b``; the eager op between them writes its memory (the global
+    staging tensor, unseen by its version counter, or ``a``, another tensor over ``b``'s
+    memory with a version counter of its own), or the first piece writes ``a`` itself."""
+
+    def __init__(self, how):
+        super().__init__()
+        torch.manual_seed(0)
+        self.how = how
+        self.l, self.m = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+
+    def forward(self, x, a, b):
+        if self.how in ("numpy", "data"):
+            h = self.l(x) + _STAGE
+            h = torch.ops.fxsplit_field.refill_stage(h, self.how)
+            return self.m(h) + _STAGE
+        h = self.l(x) + b
+        if self.how.startswith("captured"):
+            a.add_(h)  # the captured piece writes a, copied back after its replay
+            with fxsplit.region(fxsplit.ATTENTION):
+                h = h.sin()
+        else:
+            torch.ops.fxsplit_field.write_into(a, h)
+        return self.m(h) + b
+
+
+def _over_the_same_memory(a: torch.Tensor, how: str) -> torch.Tensor:
+    if how.endswith("from_numpy"):
+        return torch.from_numpy(a.numpy())
+    return torch.empty(0).set_(a.untyped_storage(), 0, a.shape, a.stride())
+
+
+@pytest.mark.parametrize("how", ["numpy", "data", "from_numpy", "set_", "captured_set_"])
+def test_a_piece_after_an_eager_op_that_wrote_an_input_unseen_copies_it_again(how):
+    """Found by a hunt: a caller's tensor two captured pieces read was copied once a call, and
+    the second piece skipped the copy while the tensor was the same object at the same address
+    with the same version. The eager op between them wrote its memory where its version counter
+    does not see it: a global staging tensor refilled through NumPy or ``.data``, or ``a``, a
+    tensor over ``b``'s memory with a counter of its own (``torch.from_numpy(a.numpy())``, a
+    storage ``set_``). The second piece replayed the old values (wrong by 8.6, no warning). A
+    copy now counts only until an eager piece that may write or an uncaptured run; a captured
+    piece's write-back of ``a`` forgets the copies of every tensor over its memory."""
+    op = "refill_stage" if how in ("numpy", "data") else "write_into"
+    ops = [] if how.startswith("captured") else [f"fxsplit_field::{op}"]
+    model, backend = _compile(_ReadsAcrossAnEagerWrite(how), fullgraph=False, splitting_ops=ops)
+    eager = _ReadsAcrossAnEagerWrite(how)
+    a_c, a_e = torch.zeros(4, 6), torch.zeros(4, 6)
+    b_c, b_e = _over_the_same_memory(a_c, how), _over_the_same_memory(a_e, how)
+    with torch.no_grad():
+        for step in range(6):
+            x, stage = _data((4, 6), step), _data((4, 6), 100 + step)
+            _STAGE.copy_(stage)
+            a_c.copy_(stage)
+            got = model(x, a_c, b_c)
+            _STAGE.copy_(stage)
+            a_e.copy_(stage)
+            assert torch.equal(got, eager(x, a_e, b_e)), step
+            assert torch.equal(a_c, a_e), step
+    assert_replayed(backend, at_least=3)
+
+
 def test_a_cache_the_model_writes_and_the_caller_refills_through_numpy_is_read():
     """Found by a second hunt: a cache handed in every call, written in place by a captured
     piece (``index_copy_``), which the caller also refills through NumPy between calls. Trusting

@@ -47,7 +47,7 @@ def capture(piece, key, inputs) -> Entry:
         else:
             bind = binding.bind(spec, context.binding, provenance.RECORD.produced(value))
             if bind is _OWN:
-                buffer = context.buffers.get(value, context.calls, spec.rebound)
+                buffer = context.buffers.get(value, context.epoch, spec.rebound)
         binds.append(bind)
         buffers.append(buffer)
         statics.append(buffer.static if buffer is not None else value)
@@ -57,7 +57,7 @@ def capture(piece, key, inputs) -> Entry:
         guard.check(piece.specs, inputs)
     for i, buffer in enumerate(buffers):
         if buffer is not None and buffer.static is not inputs[i] and buffer.mark is None:
-            buffer.remember(inputs[i], context.calls)
+            buffer.remember(inputs[i], context.epoch)
     graph = pool.new_graph(piece.generators)
     if context.mode == "emulate":
         graph.label = f"{context.graph_id} {piece.name}"

@@ -67,6 +67,7 @@ class CapturedPiece(torch.nn.Module):
         plan_piece,
         context,
         generators: tuple = (),
+        after_eager: bool = False,
     ):
         super().__init__()
         self.name = piece.name
@@ -93,6 +94,9 @@ class CapturedPiece(torch.nn.Module):
             j for j, name in enumerate(piece.output_names) if name in plan_piece.unset
         )
         self.context = context
+        # an eager piece runs just before it, which may have written a caller's tensor where
+        # its version counter does not see it: what fxsplit copied of those tensors is stale
+        self.after_eager = after_eager
         # its outputs that eager pieces read, lent to them (fxsplit.runtime.lending)
         self.lent: tuple[int, ...] = ()
         self.entries: dict[tuple, Entry] = {}
@@ -106,6 +110,8 @@ class CapturedPiece(torch.nn.Module):
 
     def __call__(self, *inputs):
         context = self.context
+        if self.after_eager:
+            context.epoch += 1
         if not context.capture_step:
             return self._uncaptured(inputs, None)
         if self.failed is not None:
@@ -145,7 +151,7 @@ class CapturedPiece(torch.nn.Module):
                     f"inputs {self.specs[i].name!r} and {self.specs[j].name!r} were one tensor "
                     "at capture and share one static buffer, but this call hands two"
                 )
-        call = self.context.calls
+        epoch = self.context.epoch
         for i, static, ptr, bind, buffer in entry.checks:
             value = inputs[i]
             if bind is not _OWN:
@@ -155,7 +161,7 @@ class CapturedPiece(torch.nn.Module):
                 ):
                     continue
                 raise self._moved(i, value, ptr, bind)
-            if value is static or buffer.holds(value, call):
+            if value is static or buffer.holds(value, epoch):
                 continue
             region = buffer.region
             if buffer.pooled:  # the earlier piece ran uncaptured: refill its output's memory
@@ -170,7 +176,7 @@ class CapturedPiece(torch.nn.Module):
                     f"input {self.specs[i].name!r} overlaps itself (e.g. expanded) and this "
                     "call's strides differ from the capture's"
                 )
-            buffer.remember(value, call)
+            buffer.remember(value, epoch)
             counts = entry.counts
             counts["input_copies"] += 1
             counts["input_copy_bytes"] += value.nbytes
@@ -208,7 +214,8 @@ class CapturedPiece(torch.nn.Module):
             value = inputs[i]
             if bind is _OWN and value is not static:
                 value.copy_(static)
-                buffer.remember(value, self.context.calls)
+                self.context.buffers.forget_over(value)
+                buffer.remember(value, self.context.epoch)
             elif not static.is_inference():
                 # A CUDA graph's writes bypass the version counter; keep it truthful.
                 _increment_version(static)
@@ -224,7 +231,10 @@ class CapturedPiece(torch.nn.Module):
 
     def _uncaptured(self, inputs, key):
         self.stats.add(self.stats.key(key), "uncaptured_runs")
-        return self.run_uncaptured(*inputs)
+        try:
+            return self.run_uncaptured(*inputs)
+        finally:  # it ran on the caller's tensors, and may have written them
+            self.context.epoch += 1
 
     def _refuse(self, why: str) -> None:
         """A call runs uncaptured for ``why``: counted per reason; raised under

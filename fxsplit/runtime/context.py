@@ -40,6 +40,12 @@ class GraphContext:
         statics: the graph's :class:`~fxsplit.runtime.static_inputs.StaticInputs`.
         capture_step: this call may capture and replay (set by the runtime every call).
         calls: the graph's calls so far, this one included.
+        epoch: changes wherever a caller's tensor may have been written where its version
+            counter does not see it: each call of the graph, and after each eager piece that
+            may write and each uncaptured run of a piece (what :class:`~fxsplit.runtime.
+            static_buffers.OwnBuffer` copied counts only within one epoch; a write-back forgets
+            the copies of the memory it wrote, :meth:`~fxsplit.runtime.static_buffers.
+            OwnBuffers.forget_over`).
         static_outputs: ``id`` -> the captured pieces' outputs in fxsplit's memory.
         buffers: fxsplit's own buffers for the caller's tensors.
     """
@@ -58,6 +64,7 @@ class GraphContext:
     statics: StaticInputs
     capture_step: bool = False
     calls: int = 0
+    epoch: int = 0
     static_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     buffers: OwnBuffers = field(default_factory=OwnBuffers)
 

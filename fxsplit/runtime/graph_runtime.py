@@ -9,6 +9,7 @@ this graph and recaptures), then run the stitched module, whose captured pieces 
 from __future__ import annotations
 
 import logging
+import operator
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxsplit import counters
 from fxsplit.config import Config
+from fxsplit.facts import op_facts
 from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError
@@ -180,6 +182,8 @@ class GraphRuntime:
         volatile = frozenset(self.statics.volatile)
         # marked caches handed in as arguments, and views of them a captured piece hands on
         statics = set(self._static_arguments)
+        # an eager piece that may write runs between the last captured piece and this one
+        after_eager = False
         for each in split.pieces:
             part, module, facts = each.part, each.module, each.aliasing
             if part.kind == "captured":
@@ -200,14 +204,24 @@ class GraphRuntime:
                 reads = binding.key_reads(specs, inputs)
                 kind = CheckedPiece if self.checking else CapturedPiece
                 captured = kind(
-                    module, specs, reads, facts, each.plan, self.context, _generators(part.nodes)
+                    module,
+                    specs,
+                    reads,
+                    facts,
+                    each.plan,
+                    self.context,
+                    _generators(part.nodes),
+                    after_eager,
                 )
+                after_eager = False
                 # the stitched module's generated code calls it through its instance dict
                 self._stitched.register_module(captured.name, captured)
                 object.__setattr__(self._stitched, captured.name, captured)
                 pieces.append(captured)
-            elif self.pool is not None:
-                self._lend_to(module, nodes, producer, pieces)
+            else:
+                after_eager |= _may_write(part.nodes)
+                if self.pool is not None:
+                    self._lend_to(module, nodes, producer, pieces)
             for name in module.output_names:
                 producer[nodes[name]] = module.name
         return pieces
@@ -250,7 +264,9 @@ class GraphRuntime:
             session.disown()
 
     def _call(self, session: CaptureSession, args: tuple):
-        self.context.calls += 1
+        context = self.context
+        context.calls += 1
+        context.epoch += 1
         pool = self.pool
         if pool is not None:
             pool.ledger.check_inputs(args, self.graph_id)
@@ -454,3 +470,16 @@ def _generators(nodes) -> tuple:
 
 
 __all__ = ["GraphRuntime"]
+
+
+def _may_write(nodes) -> bool:
+    """Whether an eager piece of ``nodes`` may write a caller's tensor, even where its version
+    counter does not see it (a custom op refilling a staging tensor through ``.data``, a write
+    through another tensor over its memory): anything but ops torch knows to be pure
+    (:func:`fxsplit.facts.op_facts.is_pure`) and indexing (``operator.getitem`` of a tensor,
+    whose ops are aten's reads, or of a tuple of results)."""
+    calls = ("call_function", "call_method", "call_module")
+    return any(
+        n.op in calls and n.target is not operator.getitem and not op_facts.is_pure(n)
+        for n in nodes
+    )

@@ -36,27 +36,32 @@ class OwnBuffer:
         self.rebound = False
         self.mark = None
 
-    def remember(self, value: torch.Tensor, call: int) -> None:
-        """``value`` was just copied in at the graph's call number ``call``: remember it (a
-        weak reference, its version, data pointer and the call), telling the other pieces of
-        that call whether it changed since. Only within one call: between calls the caller may
-        refill the tensor where its version counter does not see it (through NumPy, DLPack or
-        ``.data``, as engines fill their staging buffers; a cache the model writes alike).
+    def remember(self, value: torch.Tensor, epoch: int) -> None:
+        """``value`` was just copied in during ``epoch`` (:attr:`~fxsplit.runtime.context.
+        GraphContext.epoch`): remember it (a weak reference, its version, data pointer and the
+        epoch), telling the later pieces of that epoch whether it changed since. Only within
+        one epoch: between calls the caller may refill the tensor where its version counter
+        does not see it (through NumPy, DLPack or ``.data``, as engines fill their staging
+        buffers; a cache the model writes alike), and so may an eager op within a call, or
+        write it through another tensor over its memory with a counter of its own.
         Nothing is remembered where the version counter cannot tell: an inference tensor has
         none, and a replay changes a captured graph's output unseen; nor for a ``rebound``
         parameter (see :class:`~fxsplit.runtime.binding.InputSpec`), copied every call."""
         if self.rebound or value.is_inference() or provenance.RECORD.captured_output(value):
             self.mark = None
         else:
-            self.mark = weakref.ref(value), value._version, value.data_ptr(), call
+            storage = value.untyped_storage()
+            start = storage.data_ptr()
+            memory = start, start + storage.nbytes()
+            self.mark = weakref.ref(value), value._version, value.data_ptr(), epoch, memory
 
-    def holds(self, value: torch.Tensor, call: int) -> bool:
+    def holds(self, value: torch.Tensor, epoch: int) -> bool:
         """Whether the buffer holds ``value``'s values: the same tensor, at the same address,
-        unchanged (its version counter) since it was copied in earlier in call ``call``."""
+        unchanged (its version counter) since it was copied in earlier in ``epoch``."""
         mark = self.mark
         return (
             mark is not None
-            and mark[3] == call
+            and mark[3] == epoch
             and mark[0]() is value
             and mark[1] == value._version
             and mark[2] == value.data_ptr()
@@ -69,10 +74,10 @@ class OwnBuffers:
     def __init__(self):
         self._buffers: dict[tuple, OwnBuffer] = {}
 
-    def get(self, value: torch.Tensor, call: int, rebound: bool = False) -> OwnBuffer:
+    def get(self, value: torch.Tensor, epoch: int, rebound: bool = False) -> OwnBuffer:
         """fxsplit's static buffer for the caller's ``value`` holding its values, shared by
         every piece and capture key of the graph that captured the same view of the same
-        tensor; ``call``: the graph's call number; ``rebound``: ``value`` is a rebound
+        tensor; ``epoch``: see :meth:`OwnBuffer.remember`; ``rebound``: ``value`` is a rebound
         parameter (copied every call)."""
         key = buffer_key(value)
         buffer = self._buffers.get(key)
@@ -81,7 +86,7 @@ class OwnBuffers:
             buffer.rebound = rebound
             return buffer
         buffer.rebound |= rebound
-        if not buffer.holds(value, call):
+        if not buffer.holds(value, epoch):
             target = buffer.static if buffer.region is None else buffer.region
             source = (
                 value
@@ -90,8 +95,20 @@ class OwnBuffers:
             )
             with torch.no_grad():
                 target.copy_(source)
-            buffer.remember(value, call)
+            buffer.remember(value, epoch)
         return buffer
+
+    def forget_over(self, value: torch.Tensor) -> None:
+        """A write-back just wrote ``value``: no buffer holds what another tensor over any of
+        its storage's memory holds now (that tensor's version counter did not see the write:
+        ``torch.from_numpy(a.numpy())``, a storage ``set_`` into another tensor)."""
+        storage = value.untyped_storage()
+        low = storage.data_ptr()
+        high = low + storage.nbytes()
+        for buffer in self._buffers.values():
+            mark = buffer.mark
+            if mark is not None and mark[4][0] < high and low < mark[4][1]:
+                buffer.mark = None
 
     def __iter__(self):
         return iter(self._buffers.values())
