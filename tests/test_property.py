@@ -2047,3 +2047,62 @@ def test_regression_a_strict_runner_input_given_new_memory_in_place_is_refused()
             warmup_runs=0,
         )
     )
+
+
+def test_regression_the_fallback_rerun_of_a_refused_capture_is_judged_by_the_same_rules():
+    """Found by the long profile once it drew ``set_`` refills: under
+    ``on_capture_error="raise"`` a capture refusal (``.item()`` in a captured piece) ends the
+    run, and the harness reruns the case under ``"fallback"``; that rerun met the strict input
+    the caller gave new memory, whose ``BindingError`` only the first run accepted."""
+    run_case(
+        Case(
+            program=(
+                ("module", 0, 0),
+                ("size_use", "reshape", 0, 0),
+                ("unary", "relu", 0),
+                (
+                    "region",
+                    "attn_prep",
+                    (
+                        ("unary", "relu", 0),
+                        (
+                            "region",
+                            "attn_prep",
+                            (
+                                ("size_use", "reshape", 0, 0),
+                                ("unary", "relu", 0),
+                                ("unary", "relu", 0),
+                            ),
+                        ),
+                    ),
+                ),
+                (
+                    "region",
+                    "attn_prep",
+                    (
+                        ("unary", "relu", 13),
+                        ("unary", "relu", 0),
+                        (
+                            "region",
+                            "attn_prep",
+                            (("unary", "relu", 0), ("unary", "relu", 13), ("stash", 0, 0)),
+                        ),
+                    ),
+                ),
+                ("symint", 0),
+                ("noisy", 0),
+                ("unary", "relu", 0),
+            ),
+            outputs=(15, 11),
+            dynamic=False,
+            outer_grad=True,
+            refill="set_",
+            eager_modules=("PropMlp", "PropMix"),
+            sizes=(2, 5),
+            ints=(0, 0),
+            binding="strict",
+            seed=997,
+            keep=True,
+            options={"clone_outputs": True, "on_capture_error": "raise", "max_captured_keys": 1},
+        )
+    )
