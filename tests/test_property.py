@@ -988,7 +988,7 @@ def run_case(case: Case) -> fxsplit.Backend:
     except fxsplit.BindingError as error:
         # a strict runner input given new memory (set_) fails at the replay that binds it
         assert case.refill == "set_" and _strict(case), f"unexpected binding error: {error}"
-        return _run_case(dataclasses.replace(case, refill="copy_"))
+        return run_case(dataclasses.replace(case, refill="copy_"))
     except Exception as error:
         if case.options.get("on_capture_error") != "raise" or not _capture_refusal(error):
             raise
@@ -2104,5 +2104,23 @@ def test_regression_the_fallback_rerun_of_a_refused_capture_is_judged_by_the_sam
             seed=997,
             keep=True,
             options={"clone_outputs": True, "on_capture_error": "raise", "max_captured_keys": 1},
+        )
+    )
+
+
+def test_regression_the_rerun_of_a_strict_input_given_new_memory_is_judged_by_the_same_rules():
+    """Found by the long profile: a strict input the caller gave new memory ends in
+    ``BindingError``, and the harness reruns the case refilled by ``copy_``; under
+    ``max_captured_keys=1`` and ``on_capture_error="raise"`` that rerun's second capture key
+    raises ``CaptureRefusedError``, which only the first run accepted."""
+    run_case(
+        Case(
+            program=(("unary", "relu", 0),),
+            outputs=(0,),
+            runner="v2",
+            refill="set_",
+            sizes=(2, 3),
+            warmup_runs=0,
+            options={"max_captured_keys": 1, "on_capture_error": "raise"},
         )
     )
