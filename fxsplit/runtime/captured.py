@@ -94,8 +94,8 @@ class CapturedPiece(torch.nn.Module):
             j for j, name in enumerate(piece.output_names) if name in plan_piece.unset
         )
         self.context = context
-        # an eager piece runs just before it, which may have written a caller's tensor where
-        # its version counter does not see it: what fxsplit copied of those tensors is stale
+        # an eager piece that may write runs just before it, maybe where a caller's tensor's
+        # version counter does not see it: what fxsplit copied of those tensors is stale
         self.after_eager = after_eager
         # its outputs that eager pieces read, lent to them (fxsplit.runtime.lending)
         self.lent: tuple[int, ...] = ()

@@ -469,9 +469,6 @@ def _generators(nodes) -> tuple:
     return tuple(found.values())
 
 
-__all__ = ["GraphRuntime"]
-
-
 def _may_write(nodes) -> bool:
     """Whether an eager piece of ``nodes`` may write a caller's tensor, even where its version
     counter does not see it (a custom op refilling a staging tensor through ``.data``, a write
@@ -483,3 +480,6 @@ def _may_write(nodes) -> bool:
         n.op in calls and n.target is not operator.getitem and not op_facts.is_pure(n)
         for n in nodes
     )
+
+
+__all__ = ["GraphRuntime"]
