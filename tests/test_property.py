@@ -7,7 +7,9 @@ non-square registers), random ops, values stored through side effects (a dict en
 attribute, a forward hook), the model's own state kept between calls (a buffer read, written in
 place, written through a slice, rebound), multi-output ops with getitem, a custom two-output op,
 ``torch.Size`` values used later, SymInt arithmetic, a per-step int argument, tensor constants,
-submodules, ``no_grad`` blocks and regions, nested too, and at most one graph break) run by one
+submodules, eager ops that keep their argument or write a caller's input where its version
+counter does not see it (``.data``, NumPy, another tensor over its memory), ``no_grad`` blocks
+and regions, nested too, and at most one graph break) run by one
 ``nn.Module`` whose ``forward`` interprets it (Dynamo unrolls the loop, so one module class serves
 every example). The example also draws the runner (``v1``, ``v2`` or a custom runner with every
 region eager), the capture mode (``"off"`` or ``"emulate"``), ``dynamic``, the outer grad mode
@@ -164,6 +166,34 @@ def _kept(value) -> torch.Tensor:
         return value
     storage, shape, stride, offset, dtype = value
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+
+
+# How fxsplit_prop::refill_unseen writes: through ``.data``, through NumPy, through another tensor
+# over the same memory (a version counter of its own)
+UNSEEN_FORMS = ("data", "numpy", "alias")
+
+
+@torch.library.custom_op("fxsplit_prop::refill_unseen", mutates_args=())
+def refill_unseen(x: torch.Tensor, target: torch.Tensor, how: int = 0) -> torch.Tensor:
+    """Writes a value of ``x`` into ``target`` (a caller's input, both ``(B, D)``) where
+    ``target``'s version counter does not see it (``how``, one of ``UNSEEN_FORMS``), as an
+    engine's op refills a staging tensor; no schema declares the write. Always a splitting op:
+    captured pieces after it must read ``target`` as it left it."""
+    value = torch.tanh(x) * 0.5 - 0.25
+    if how == 0:
+        target.data.copy_(value)
+    elif how == 1:
+        target.detach().numpy()[...] = value.detach().numpy()
+    else:
+        over = torch.empty(0, dtype=target.dtype)
+        over.set_(target.untyped_storage(), target.storage_offset(), target.size(), target.stride())
+        over.copy_(value)
+    return x * 1.25
+
+
+@refill_unseen.register_fake
+def _(x, target, how=0):
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("fxsplit_prop::noisy", mutates_args=())
@@ -437,6 +467,9 @@ class Interp(nn.Module):
             regs.append(torch.ops.fxsplit_prop.stash(regs[ins[1] % n], how))
         elif kind == "noisy":
             regs.append(torch.ops.fxsplit_prop.noisy(regs[ins[1] % n]))
+        elif kind == "unseen":
+            target = regs[ins[2] % 2]  # the caller's x or y
+            regs.append(torch.ops.fxsplit_prop.refill_unseen(regs[ins[1] % n], target, ins[3]))
         elif kind == "state":
             r = regs[ins[2] % n]
             if ins[1] == "read":
@@ -537,6 +570,8 @@ OPS = st.one_of(
         st.tuples(st.just("stash"), REG, st.integers(0, STASH_FORMS - 1)),
         st.tuples(st.just("noisy"), REG),
     ),
+    # an eager op writing a caller's input where its version counter does not see it
+    st.tuples(st.just("unseen"), REG, st.integers(0, 1), st.integers(0, len(UNSEEN_FORMS) - 1)),
 )
 
 
@@ -690,6 +725,7 @@ _OP_FEATURES = {
     "state": "model_state",
     "stash": "kept_by_eager_op",
     "noisy": "random_then_capture_error",
+    "unseen": "input_written_unseen_by_eager_op",
 }
 _SPLIT_OP_OF = {"topk": "aten::topk", "custom2": "fxsplit_prop::two", "split": "aten::split"}
 
@@ -719,7 +755,7 @@ def _splits_here(ins, case: Case) -> bool:
         return True
     if kind in _SPLIT_OP_OF and _SPLIT_OP_OF[kind] in ops and kind != "split":
         return True
-    if kind == "stash":
+    if kind in ("stash", "unseen"):
         return True
     return kind == "module" and MODULE_CLASSES[ins[1]] in case.eager_modules
 
@@ -1061,7 +1097,11 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
     options = {
         "runner": RUNNERS[case.runner],
         "capture": case.capture,
-        "splitting_ops": [*case.splitting_ops, "fxsplit_prop::stash"],
+        "splitting_ops": [
+            *case.splitting_ops,
+            "fxsplit_prop::stash",
+            "fxsplit_prop::refill_unseen",
+        ],
         "eager_modules": list(case.eager_modules),
         "warmup_runs": case.warmup_runs,
         "verify": case.verify,
@@ -1365,6 +1405,8 @@ def test_smoke_every_feature_in_one_program():
         ("inplace_fresh", "clamp_", 15, 3),
         ("stash", 4),
         ("noisy", 16),
+        ("unseen", 5, 0, 1),
+        ("unary", "cos", 0),
     )
     for runner in RUNNERS:
         run_case(
