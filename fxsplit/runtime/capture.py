@@ -97,11 +97,9 @@ def capture(piece, key, inputs) -> Entry:
     entry = Entry(key, graph, statics, outputs, checks, views, piece.stats.key(key), capture_ptrs)
     entry.order = order
     entry.owned = tuple(owned)
-    entry.written = tuple(
-        Written(i, statics[i], binds[i], buffers[i])
-        for i in written
-        if isinstance(statics[i], torch.Tensor)
-    )
+    written = [i for i in written if isinstance(statics[i], torch.Tensor)]
+    entry.written = tuple(Written(i, statics[i], buffers[i]) for i in written if binds[i] is _OWN)
+    entry.bumped = tuple(statics[i] for i in written if binds[i] is not _OWN)
     entry.alias_guard = guard if guard is not None and guard.needed else None
     first: dict[int, int] = {}
     shared = []

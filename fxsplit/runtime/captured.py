@@ -24,7 +24,7 @@ from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec, Refused
 from fxsplit.runtime.capture import capture, never_captured
-from fxsplit.runtime.entry import Entry, flat, key_function, rebuild
+from fxsplit.runtime.entry import Entry, bound_function, flat, key_function, rebuild
 from fxsplit.runtime.replay_watch import Watch
 from fxsplit.runtime.stats import PieceStats
 from fxsplit.runtime.storage import storage_ptr
@@ -33,7 +33,7 @@ from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
 _TOTALS = counters.totals
 _OWN, _ADDRESS, _PINNED = Bind.OWN, Bind.ADDRESS, Bind.PINNED
-_increment_version = torch.autograd.graph.increment_version
+_increment_version = torch._C._increment_version  # a sequence of tensors
 
 log = logging.getLogger("fxsplit")
 
@@ -151,16 +151,11 @@ class CapturedPiece(torch.nn.Module):
                     f"inputs {self.specs[i].name!r} and {self.specs[j].name!r} were one tensor "
                     "at capture and share one static buffer, but this call hands two"
                 )
+        if not entry.bound(inputs):
+            raise self._unbound(entry, inputs)
         epoch = self.context.epoch
-        for i, static, ptr, bind, buffer in entry.checks:
+        for i, static, _, _, buffer in entry.owns:
             value = inputs[i]
-            if bind is not _OWN:
-                # the object bound at capture too: ``x.set_(new)`` gives it other memory
-                if value.data_ptr() == ptr and (
-                    value is static or value.stride() == static.stride()
-                ):
-                    continue
-                raise self._moved(i, value, ptr, bind)
             if value is static or buffer.holds(value, epoch):
                 continue
             region = buffer.region
@@ -194,6 +189,13 @@ class CapturedPiece(torch.nn.Module):
                     "from the capture's, so the view cannot be rebuilt over it"
                 )
 
+    def _unbound(self, entry: Entry, inputs) -> Exception:
+        """The error for the first ADDRESS or PINNED input ``entry.bound`` found moved."""
+        for check in entry.checks:
+            if check.bind is not _OWN and not bound_function((check,))(inputs):
+                return self._moved(check.index, inputs[check.index], check.ptr, check.bind)
+        raise AssertionError("entry.bound disagrees with its checks")
+
     def _check(self, entry: Entry, inputs) -> None:
         """Check the persistent (ADDRESS) inputs as a replay would bind them (with capture off,
         and before a recapture rebinds them).
@@ -210,15 +212,18 @@ class CapturedPiece(torch.nn.Module):
 
     def results(self, entry: Entry, inputs):
         """After a replay: write back what the piece wrote, then rebuild views of inputs."""
-        for i, static, bind, buffer in entry.written:
+        for i, static, buffer in entry.written:
             value = inputs[i]
-            if bind is _OWN and value is not static:
+            if value is not static:
                 value.copy_(static)
                 self.context.buffers.forget_over(value)
                 buffer.remember(value, self.context.epoch)
-            elif not static.is_inference():
-                # A CUDA graph's writes bypass the version counter; keep it truthful.
-                _increment_version(static)
+            else:
+                _increment_version((static,))
+        if entry.bumped:
+            # A CUDA graph's writes bypass the version counter; keep it truthful (inference
+            # tensors, which have none, are skipped).
+            _increment_version(entry.bumped)
         if not entry.views:
             return entry.outputs
         single = not isinstance(entry.outputs, tuple)

@@ -15,7 +15,16 @@ from fxsplit.runtime.stats import StaticAddress
 if TYPE_CHECKING:
     from fxsplit.runtime.static_buffers import AliasGuard, OwnBuffer
 
-__all__ = ["Check", "Entry", "OutputView", "Written", "flat", "key_function", "rebuild"]
+__all__ = [
+    "Check",
+    "Entry",
+    "OutputView",
+    "Written",
+    "bound_function",
+    "flat",
+    "key_function",
+    "rebuild",
+]
 
 
 class Check(NamedTuple):
@@ -29,13 +38,11 @@ class Check(NamedTuple):
 
 
 class Written(NamedTuple):
-    """An input the piece writes: after each replay, an OWN one is copied back to the
-    caller's tensor."""
+    """An OWN input the piece writes: after each replay, copied back to the caller's tensor."""
 
     index: int
     static: torch.Tensor
-    bind: Bind
-    buffer: OwnBuffer | None
+    buffer: OwnBuffer
 
 
 class OutputView(NamedTuple):
@@ -56,8 +63,10 @@ class OutputView(NamedTuple):
 class Entry:
     """One capture key of a piece: its graph, static buffers, binding table and counters.
 
-    ``checks`` holds a :class:`Check` per input bound OWN, ADDRESS or PINNED; ``written`` a
-    :class:`Written` per input the piece writes; ``views`` an :class:`OutputView` per output
+    ``checks`` holds a :class:`Check` per input bound OWN, ADDRESS or PINNED (``owns`` the OWN
+    ones, ``bound`` tells in one call whether every other one is where capture found it);
+    ``written`` a :class:`Written` per OWN input the piece writes, ``bumped`` the other written
+    inputs, whose version counters each replay bumps; ``views`` an :class:`OutputView` per output
     that is a view of an OWN input (hot loops unpack them as tuples); ``shared`` the pairs
     of OWN inputs bound to one shared buffer (the same caller view at capture); ``alias_guard``
     checks shared storage per call (pieces that write an input); ``order`` is the graph's
@@ -67,6 +76,8 @@ class Entry:
 
     __slots__ = (
         "alias_guard",
+        "bound",
+        "bumped",
         "capture_ptrs",
         "checks",
         "counts",
@@ -75,6 +86,7 @@ class Entry:
         "order",
         "outputs",
         "owned",
+        "owns",
         "shared",
         "statics",
         "views",
@@ -89,8 +101,11 @@ class Entry:
         self.counts = counts
         self.capture_ptrs = capture_ptrs
         self.checks = checks
+        self.owns = tuple(check for check in checks if check.bind is Bind.OWN)
+        self.bound = bound_function(check for check in checks if check.bind is not Bind.OWN)
         self.views = views
-        self.written: tuple = ()
+        self.written: tuple[Written, ...] = ()
+        self.bumped: tuple[torch.Tensor, ...] = ()
         self.alias_guard: AliasGuard | None = None
         self.order = -1
         self.owned: tuple = ()
@@ -133,6 +148,20 @@ def key_function(reads):
         for i, d in reads
     ]
     return eval(f"lambda a: ({''.join(p + ', ' for p in parts)})", {"_Address": StaticAddress})
+
+
+def bound_function(checks):
+    """``inputs -> bool``: whether every ADDRESS or PINNED input in ``checks`` is bound as at
+    capture, the object captured at its data pointer (``x.set_(new)`` gives the same object
+    other memory), or another tensor there with the capture's strides. Generated as one
+    expression because this runs on every replay; a ``False`` is explained by the caller."""
+    names: dict[str, torch.Tensor] = {}
+    parts = []
+    for i, static, ptr, _, _ in checks:
+        names[f"s{i}"] = static
+        same = f"a[{i}] is s{i} or a[{i}].stride() == {static.stride()}"
+        parts.append(f"a[{i}].data_ptr() == {ptr} and ({same})")
+    return eval(f"lambda a: {' and '.join(f'({p})' for p in parts) or 'True'}", names)
 
 
 def flat(value):
