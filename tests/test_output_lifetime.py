@@ -495,6 +495,73 @@ def test_an_eager_op_that_keeps_nothing_is_never_warned_about():
     assert counters.snapshot()["replays"] > 0
 
 
+def test_an_eager_piece_of_torchs_own_ops_is_lent_nothing():
+    """An eager region of pure aten ops (``sin``) cannot keep what it reads, so it is handed
+    the pool tensor itself: no loan (a fresh tensor per input per call before), values eager's,
+    pieces replayed."""
+    with torch.no_grad():
+        eager = SinAttentionMlp()
+        want = [eager(_x(step)) for step in range(6)]
+        model, backend = _compile(SinAttentionMlp())
+        got = [model(_x(step)).clone() for step in range(6)]
+    assert counters.snapshot()["replays"] >= 2 * 4
+    _assert_steps_equal(got, want)
+    assert not _ledger(backend).loans.lent
+
+
+KEPT_BY_PYTHON: list[torch.Tensor] = []
+
+
+@torch._dynamo.allow_in_graph
+def _keep_and_sin(h):
+    """A Python function Dynamo records whole: it keeps the real tensor it is handed."""
+    if not isinstance(h, torch._subclasses.FakeTensor):
+        KEPT_BY_PYTHON.append(h)
+    return h.sin()
+
+
+class _KeepsInPython(SinAttentionMlp):
+    """SinAttentionMlp whose region calls :func:`_keep_and_sin`, or keeps a view of ``h``
+    that it returns to a second region, whose custom op keeps it (``through_view``)."""
+
+    def __init__(self, through_view=False):
+        super().__init__()
+        self.through_view = through_view
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        if not self.through_view:
+            with fxsplit.region(fxsplit.ATTENTION):
+                h = _keep_and_sin(h)
+            return self.b(h) * 2
+        with fxsplit.region(fxsplit.ATTENTION):
+            view = h[:, 1:]
+        return self.b(h) * 2 + torch.ops.fxsplit_lifetime.stash_softmax(view).sum()
+
+
+@pytest.mark.parametrize("through_view", [False, True])
+def test_what_an_eager_piece_may_keep_is_lent(through_view):
+    """A Python function recorded whole may keep its argument; an eager piece returning a view
+    of a captured output hands it on to code that may keep it: both are lent
+    (:func:`fxsplit.facts.keeping.kept_inputs`), so what was kept holds each step's values."""
+    kept = STASHED if through_view else KEPT_BY_PYTHON
+    splitting = ["fxsplit_lifetime::stash_softmax"] if through_view else []
+    kept.clear()
+    with torch.no_grad():
+        eager = _KeepsInPython(through_view)
+        for step in range(6):
+            eager(_x(step))
+        want = [t.clone() for t in kept]
+        kept.clear()
+        model, backend = _compile(_KeepsInPython(through_view), splitting_ops=splitting)
+        for step in range(6):
+            model(_x(step))
+    got, kept[:] = list(kept), []
+    assert counters.snapshot()["replays"] >= 2 * 3
+    _assert_steps_equal(got, want)
+    assert _ledger(backend).loans.moved > 0
+
+
 @pytest.mark.slow  # tens of seconds
 def test_a_kept_captured_output_never_reads_freed_memory_once_the_backend_is_gone():
     """An eager op keeps piece_0's output (warned); the model and its backend are then dropped.

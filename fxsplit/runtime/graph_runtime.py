@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from fxsplit import counters
 from fxsplit.config import Config
-from fxsplit.facts import op_facts
+from fxsplit.facts import keeping, op_facts
 from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError
@@ -221,20 +221,24 @@ class GraphRuntime:
             else:
                 after_eager |= _may_write(part.nodes)
                 if self.pool is not None:
-                    self._lend_to(module, nodes, producer, pieces)
+                    self._lend_to(module, part.nodes, nodes, producer, pieces)
             for name in module.output_names:
                 producer[nodes[name]] = module.name
         return pieces
 
-    def _lend_to(self, module, nodes: dict, producer: dict, captured: list) -> None:
-        """Hand eager piece ``module`` the captured outputs it reads as loans, and what other
-        borrowers made of theirs (views of loans) over their loans too
-        (:mod:`fxsplit.runtime.lending`)."""
+    def _lend_to(self, module, body: list, nodes: dict, producer: dict, captured: list) -> None:
+        """Hand eager piece ``module`` (of nodes ``body``) the captured outputs it reads and may
+        keep (:func:`fxsplit.facts.keeping.kept_inputs`) as loans, and what other borrowers
+        made of theirs (views of loans) over their loans too (:mod:`fxsplit.runtime.lending`)."""
         by_name = {piece.name: piece for piece in captured}
         stitched = self._stitched.__dict__
         positions, views = [], []
         lent: dict[str, set[int]] = {}
+        inputs = [nodes[name] for name in module.input_names]
+        kept = keeping.kept_inputs(inputs, body, [nodes[name] for name in module.output_names])
         for i, name in enumerate(module.input_names):
+            if i not in kept:
+                continue
             made_by = producer.get(nodes[name])
             piece = by_name.get(made_by)
             if piece is not None:

@@ -1,0 +1,95 @@
+"""Which inputs of an eager piece its code may keep past the call.
+
+An eager piece handed a captured output (in the pool, written again by the next replay) must
+be handed it as a loan (:mod:`fxsplit.runtime.lending`) where its code may keep that memory: a
+custom op or an ``allow_in_graph`` function storing its argument (EAGLE/MTP-style reuse of the
+hidden state), an op changing the tensor's layout in place, or the piece returning a view of it
+to code that runs later. Code that only computes from the memory needs no loan, and a loan costs
+a fresh tensor per input per call.
+
+The facts come from torch: an op torch knows to be pure (:func:`fxsplit.facts.op_facts.is_pure`:
+a value of its arguments alone, changing nothing else) cannot keep an argument, nor can
+indexing (``operator.getitem``: aten's reads of a tensor, or the element of a tuple of results);
+which values share an input's memory is read from the storages of Dynamo's fake example values,
+as :func:`fxsplit.facts.op_facts.is_view` does. Anything unknown (no example value, an op of
+the user's, a ``call_module``) may keep.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from torch.fx import Node
+
+from fxsplit.facts import op_facts
+
+__all__ = ["kept_inputs"]
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+def kept_inputs(inputs: Sequence[Node], nodes: Sequence[Node], outputs: Sequence[Node]):
+    """Positions among ``inputs`` of the values the code of ``nodes`` may keep past the call:
+    some node reading memory of the input is not known to be unable to keep it, or some
+    output (``outputs``: what the piece returns) shares its memory.
+
+    Args:
+        inputs: the piece's input nodes, in its argument order (nodes of the Dynamo graph,
+            with their ``example_value``).
+        nodes: the piece's nodes in graph order.
+        outputs: the nodes the piece returns.
+
+    Returns:
+        A frozenset of positions in ``inputs``.
+    """
+    memory = {node: _storages(node) for node in (*inputs, *nodes)}
+    kept = set()
+    for i, node in enumerate(inputs):
+        own = memory[node]
+        if own is None:
+            kept.add(i)
+            continue
+        if not own:
+            continue  # no memory: a Python number, a SymInt
+
+        def shares(other: Node, own=own) -> bool:
+            found = memory.get(other)
+            return found is None or not found.isdisjoint(own)
+
+        if any(shares(out) for out in outputs) or any(
+            n.op in _CALLS and not _cannot_keep(n) and any(shares(arg) for arg in n.all_input_nodes)
+            for n in nodes
+        ):
+            kept.add(i)
+    return frozenset(kept)
+
+
+def _cannot_keep(node: Node) -> bool:
+    return node.target is operator.getitem or op_facts.is_pure(node)
+
+
+def _storages(node: Node) -> frozenset | None:
+    """The storages of ``node``'s example value (of each tensor in a tuple or list of them);
+    None where unknown."""
+    if "example_value" not in node.meta:
+        return None
+    return _of(node.meta["example_value"])
+
+
+def _of(value: object) -> frozenset | None:
+    if isinstance(value, torch.Tensor):
+        try:
+            return frozenset((value.untyped_storage()._cdata,))
+        except (RuntimeError, NotImplementedError):  # no storage to compare
+            return None
+    if isinstance(value, (tuple, list)):
+        found: set = set()
+        for each in value:
+            part = _of(each)
+            if part is None:
+                return None
+            found |= part
+        return frozenset(found)
+    return frozenset()
