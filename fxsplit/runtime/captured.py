@@ -151,7 +151,8 @@ class CapturedPiece(torch.nn.Module):
                     f"inputs {self.specs[i].name!r} and {self.specs[j].name!r} were one tensor "
                     "at capture and share one static buffer, but this call hands two"
                 )
-        if not entry.bound(inputs):
+        bound = entry.bound
+        if bound is not None and not bound(inputs):
             raise self._unbound(entry, inputs)
         epoch = self.context.epoch
         for i, static, _, _, buffer in entry.owns:

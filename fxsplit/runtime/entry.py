@@ -151,17 +151,20 @@ def key_function(reads):
 
 
 def bound_function(checks):
-    """``inputs -> bool``: whether every ADDRESS or PINNED input in ``checks`` is bound as at
-    capture, the object captured at its data pointer (``x.set_(new)`` gives the same object
-    other memory), or another tensor there with the capture's strides. Generated as one
-    expression because this runs on every replay; a ``False`` is explained by the caller."""
+    """``inputs -> bool`` (None for no ``checks``): whether every ADDRESS or PINNED input in
+    ``checks`` is bound as at capture, the object captured at its data pointer (``x.set_(new)``
+    gives the same object other memory), or another tensor there with the capture's strides.
+    Generated as one expression because this runs on every replay; a ``False`` is explained
+    by the caller."""
     names: dict[str, torch.Tensor] = {}
     parts = []
     for i, static, ptr, _, _ in checks:
         names[f"s{i}"] = static
         same = f"a[{i}] is s{i} or a[{i}].stride() == {static.stride()}"
         parts.append(f"a[{i}].data_ptr() == {ptr} and ({same})")
-    return eval(f"lambda a: {' and '.join(f'({p})' for p in parts) or 'True'}", names)
+    if not parts:
+        return None
+    return eval(f"lambda a: {' and '.join(f'({p})' for p in parts)}", names)
 
 
 def flat(value):
