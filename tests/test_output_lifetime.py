@@ -509,6 +509,42 @@ def test_an_eager_piece_of_torchs_own_ops_is_lent_nothing():
     assert not _ledger(backend).loans.lent
 
 
+def _keep(value):
+    """Stands for code of the user's that keeps its argument."""
+    return value
+
+
+def test_kept_inputs_reads_what_shares_an_inputs_memory_from_its_example_values():
+    """The fact behind lending (``fxsplit.facts.keeping``), on a hand-made graph with fake
+    example values: a pure op on an input keeps nothing, its fresh result returned neither;
+    an input returned as a view or handed to the user's code may be kept, and so may every
+    input where the user's code reads a value of unknown memory (a storage)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxsplit.facts.keeping import kept_inputs
+
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        x, y, z, w = (torch.empty(3, 4) for _ in range(4))
+        values = [x, y, z, w, x.sin(), y.t(), z.sin()]
+    inputs = [graph.placeholder(name) for name in ("x", "y", "z", "w")]
+    sin = graph.call_method("sin", (inputs[0],))
+    t = graph.call_method("t", (inputs[1],))
+    zs = graph.call_method("sin", (inputs[2],))
+    kept_z = graph.call_function(_keep, (inputs[2],))
+    storage = graph.call_method("untyped_storage", (inputs[3],))
+    kept_w = graph.call_function(_keep, (storage,))
+    for node, value in zip((*inputs, sin, t, zs), values, strict=True):
+        node.meta["example_value"] = value
+    kept_z.meta["example_value"] = values[2]
+    storage.meta["example_value"] = object()  # no tensor, and not known to hold no memory
+    kept_w.meta["example_value"] = None
+    assert kept_inputs(inputs[:3], [sin, t, zs, kept_z], [sin, t, zs]) == {1, 2}
+    # a value of unknown memory may share any input's, and the user's code keeps it
+    assert kept_inputs(inputs, [sin, storage, kept_w], [sin]) == {0, 1, 2, 3}
+    assert kept_inputs(inputs, [sin, storage], [sin]) == set()
+
+
 KEPT_BY_PYTHON: list[torch.Tensor] = []
 
 

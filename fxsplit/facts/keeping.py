@@ -72,7 +72,7 @@ def _cannot_keep(node: Node) -> bool:
 
 def _storages(node: Node) -> frozenset | None:
     """The storages of ``node``'s example value (of each tensor in a tuple or list of them);
-    None where unknown."""
+    None where unknown (no example value, a value that may hold memory and is no tensor)."""
     if "example_value" not in node.meta:
         return None
     return _of(node.meta["example_value"])
@@ -92,4 +92,22 @@ def _of(value: object) -> frozenset | None:
                 return None
             found |= part
         return frozenset(found)
-    return frozenset()
+    return frozenset() if isinstance(value, _NO_MEMORY) else None
+
+
+# Values that hold no tensor memory; anything else (a storage, an object of the user's) may.
+_NO_MEMORY = (
+    int,
+    float,
+    bool,
+    complex,
+    str,
+    type(None),
+    torch.SymInt,
+    torch.SymFloat,
+    torch.SymBool,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
