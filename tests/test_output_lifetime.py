@@ -11,6 +11,7 @@ that replays happened.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -556,46 +557,105 @@ def _keep_and_sin(h):
     return h.sin()
 
 
+def _gelu(h):
+    """Named like an aten op, in a package of the user's named like torch's (``torchext``)."""
+    if not isinstance(h, torch._subclasses.FakeTensor):
+        KEPT_BY_PYTHON.append(h)
+    return torch.nn.functional.gelu(h)
+
+
+_gelu.__module__, _gelu.__name__, _gelu.__qualname__ = "torchext_lib", "gelu", "gelu"
+_gelu = torch._dynamo.allow_in_graph(_gelu)
+
+
 class _KeepsInPython(SinAttentionMlp):
     """SinAttentionMlp whose region calls :func:`_keep_and_sin`, or keeps a view of ``h``
     that it returns to a second region, whose custom op keeps it (``through_view``)."""
 
-    def __init__(self, through_view=False):
+    def __init__(self, through_view=False, keep=_keep_and_sin):
         super().__init__()
         self.through_view = through_view
+        self.keep = keep
 
     def forward(self, x):
         h = self.a(x).relu()
         if not self.through_view:
             with fxsplit.region(fxsplit.ATTENTION):
-                h = _keep_and_sin(h)
+                h = self.keep(h)
             return self.b(h) * 2
         with fxsplit.region(fxsplit.ATTENTION):
             view = h[:, 1:]
         return self.b(h) * 2 + torch.ops.fxsplit_lifetime.stash_softmax(view).sum()
 
 
-@pytest.mark.parametrize("through_view", [False, True])
-def test_what_an_eager_piece_may_keep_is_lent(through_view):
-    """A Python function recorded whole may keep its argument; an eager piece returning a view
-    of a captured output hands it on to code that may keep it: both are lent
-    (:func:`fxsplit.facts.keeping.kept_inputs`), so what was kept holds each step's values."""
+@pytest.mark.parametrize(
+    "through_view, keep", [(False, _keep_and_sin), (True, None), (False, _gelu)]
+)
+def test_what_an_eager_piece_may_keep_is_lent(through_view, keep):
+    """A Python function recorded whole may keep its argument, also one named like an aten op
+    in a package named like torch (found by a hunt: taken for ``aten::gelu``, wrong by 1.42);
+    an eager piece returning a view of a captured output hands it on to code that may keep it:
+    all are lent (:func:`fxsplit.facts.keeping.kept_inputs`), so what was kept holds each
+    step's values."""
     kept = STASHED if through_view else KEPT_BY_PYTHON
     splitting = ["fxsplit_lifetime::stash_softmax"] if through_view else []
     kept.clear()
     with torch.no_grad():
-        eager = _KeepsInPython(through_view)
+        eager = _KeepsInPython(through_view, keep)
         for step in range(6):
             eager(_x(step))
         want = [t.clone() for t in kept]
         kept.clear()
-        model, backend = _compile(_KeepsInPython(through_view), splitting_ops=splitting)
+        model, backend = _compile(_KeepsInPython(through_view, keep), splitting_ops=splitting)
         for step in range(6):
             model(_x(step))
     got, kept[:] = list(kept), []
     assert counters.snapshot()["replays"] >= 2 * 3
     _assert_steps_equal(got, want)
     assert _ledger(backend).loans.moved > 0
+
+
+_TANGENT_OF = torch.zeros(D, requires_grad=True)
+
+
+class _Autograd(SinAttentionMlp):
+    """SinAttentionMlp whose region hands ``h`` to autograd: saved for backward by a product
+    with a leaf that requires grad, or made the tangent of a dual tensor (``forward_ad``)."""
+
+    def __init__(self, forward_ad):
+        super().__init__()
+        self.forward_ad = forward_ad
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        with fxsplit.region(fxsplit.ATTENTION):
+            if self.forward_ad:
+                kept = torch.autograd.forward_ad.make_dual(x.sin(), h)
+            else:
+                with torch.enable_grad():
+                    kept = (h * _TANGENT_OF).sum()
+        return self.b(h) * 2, kept
+
+
+@pytest.mark.parametrize("forward_ad", [False, True])
+def test_what_autograd_keeps_in_an_eager_piece_holds_each_steps_values(forward_ad):
+    """Found by a hunt: a pure op whose result autograd tracks keeps what it read (a tensor
+    saved for backward, a forward-mode tangent); handed the pool tensor, a later replay
+    overwrote it (wrong by 2.39 and 1.42). Such a piece is lent it."""
+    fw = torch.autograd.forward_ad
+
+    def run(model):
+        with torch.no_grad(), fw.dual_level() if forward_ad else contextlib.nullcontext():
+            kept = [model(_x(step))[1] for step in range(6)]
+            if forward_ad:
+                return [fw.unpack_dual(d).tangent.clone() for d in kept]
+        return [torch.autograd.grad(loss, _TANGENT_OF)[0] for loss in kept]
+
+    want = run(_Autograd(forward_ad))
+    model, _ = _compile(_Autograd(forward_ad))
+    got = run(model)
+    assert counters.snapshot()["replays"] >= 2 * 3
+    _assert_steps_equal(got, want)
 
 
 @pytest.mark.slow  # tens of seconds

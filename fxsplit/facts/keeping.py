@@ -9,7 +9,8 @@ a fresh tensor per input per call.
 
 The facts come from torch: an op torch knows to be pure (:func:`fxsplit.facts.op_facts.is_pure`:
 a value of its arguments alone, changing nothing else) cannot keep an argument, nor can
-indexing (``operator.getitem``: aten's reads of a tensor, or the element of a tuple of results);
+indexing (``operator.getitem``: aten's reads of a tensor, or the element of a tuple of results),
+unless autograd tracks its result (saved tensors, forward-mode tangents keep what it read);
 which values share an input's memory is read from the storages of Dynamo's fake example values,
 as :func:`fxsplit.facts.op_facts.is_view` does. Anything unknown (no example value, an op of
 the user's, a ``call_module``) may keep.
@@ -67,7 +68,25 @@ def kept_inputs(inputs: Sequence[Node], nodes: Sequence[Node], outputs: Sequence
 
 
 def _cannot_keep(node: Node) -> bool:
-    return node.target is operator.getitem or op_facts.is_pure(node)
+    """A pure op or indexing whose result autograd does not track: autograd keeps what an op
+    reads where its result requires grad (saved for backward) or carries a forward-mode
+    tangent (``make_dual`` holds the tangent it is given), whatever the op's schema says."""
+    if node.target is not operator.getitem and not op_facts.is_pure(node):
+        return False
+    return not _tracked(node.meta.get("example_value"))
+
+
+def _tracked(value: object) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_tracked(each) for each in value)
+    if not isinstance(value, torch.Tensor):
+        return False
+    if value.requires_grad:
+        return True
+    try:
+        return torch._unpack_dual(value, 0).tangent is not None
+    except Exception:  # no answer: it may be tracked
+        return True
 
 
 def _storages(node: Node) -> frozenset | None:

@@ -76,7 +76,10 @@ def _op_names(node: Node) -> tuple[str, str | None] | None:
         return f"{target.namespace}::{target.name()}", None
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__name__", None)
-    if name and module.startswith("torch") and not module.startswith("torch.fx"):
+    # torch's own modules only: ``torchvision``, ``torchao`` or a user's ``torchext`` run code
+    # of their own under an aten-like name
+    torch_module = module == "torch" or module.startswith("torch.")
+    if name and torch_module and not module.startswith("torch.fx"):
         return f"aten::{name}", None
     return None
 
