@@ -1271,7 +1271,8 @@ def test_compiled_equals_eager(case):
     try:
         run_case(case)
     except Exception:
-        if _dynamo_refuses(case):  # Dynamo's own failure (backend="eager" fails too)
+        # Dynamo's own failure (backend="eager" fails too), or its own wrong numbers
+        if _dynamo_refuses(case) or _dynamo_wrong(case):
             reject()
         raise
 
@@ -1301,6 +1302,22 @@ def _dynamo_refuses(case: Case) -> bool:
         return True
     finally:
         torch._dynamo.reset()
+    return False
+
+
+def _dynamo_wrong(case: Case) -> bool:
+    """Whether Dynamo's graph itself, run as Dynamo gives it to the backend (no split, no
+    capture), already differs from eager on ``case``: then fxsplit is not what changed the
+    numbers."""
+    with mock.patch.object(fxsplit.Backend, "__call__", lambda self, gm, inputs: gm.forward):
+        try:
+            run_case(dataclasses.replace(case, capture="off"))
+        except AssertionError as error:
+            return "differs" in str(error)
+        except Exception:
+            return False
+        finally:
+            torch._dynamo.reset()
     return False
 
 
@@ -2166,3 +2183,66 @@ def test_regression_the_rerun_of_a_strict_input_given_new_memory_is_judged_by_th
             options={"max_captured_keys": 1, "on_capture_error": "raise"},
         )
     )
+
+
+@pytest.mark.parametrize(
+    "program, outputs, eager_modules",
+    [
+        (
+            (
+                ("module", 0, 0),
+                ("intarg", 0),
+                ("region", "attn_prep", (("region", "attn_prep", (("meta", "relayout_", 3),)),)),
+                ("unary", "relu", 0),
+                ("unary", "relu", 0),
+                (
+                    "region",
+                    "attn_prep",
+                    (("unary", "relu", 0), ("region", "attn_prep", (("meta", "relayout_", 3),))),
+                ),
+                ("unary", "relu", 0),
+                ("unary", "relu", 0),
+            ),
+            (3, 0, 0),
+            ("PropMlp", "PropMix"),
+        ),
+        (
+            (
+                ("region", "attn_prep", (("module", 0, 0),)),
+                ("meta", "relayout_", 11),
+                ("unary", "relu", 0),
+                (
+                    "region",
+                    "attn_prep",
+                    (
+                        ("meta", "t_", 11),
+                        (
+                            "region",
+                            "attn_prep",
+                            (("unary", "relu", 0), ("custom2", 0), ("unary", "relu", 0)),
+                        ),
+                        ("meta", "relayout_", 11),
+                    ),
+                ),
+            ),
+            (0,),
+            (),
+        ),
+    ],
+)
+def test_regression_dynamos_own_wrong_numbers_are_not_fxsplits(program, outputs, eager_modules):
+    """Found by the long profile (seeds 109 and 137): a register's layout changed in place
+    (``as_strided_``) in a static graph recompiled per batch size differs from eager already in
+    Dynamo's own graph, run with no split and no capture; the harness rejects such a case
+    (:func:`_dynamo_wrong`) instead of blaming fxsplit."""
+    case = Case(
+        program=program,
+        outputs=outputs,
+        runner="v1",
+        dynamic=False,
+        eager_modules=eager_modules,
+        sizes=(1, 2),
+        ints=(0, 3) if eager_modules else (0, 0),
+        warmup_runs=0,
+    )
+    assert _dynamo_wrong(case)
