@@ -2185,24 +2185,29 @@ def test_regression_the_rerun_of_a_strict_input_given_new_memory_is_judged_by_th
     )
 
 
+# The long profile's seed 109: a captured output relaid out in place (``as_strided_``) in one
+# eager region and back in a later one
+_RELAYOUT_TWICE = (
+    ("module", 0, 0),
+    ("intarg", 0),
+    ("region", "attn_prep", (("region", "attn_prep", (("meta", "relayout_", 3),)),)),
+    ("unary", "relu", 0),
+    ("unary", "relu", 0),
+    (
+        "region",
+        "attn_prep",
+        (("unary", "relu", 0), ("region", "attn_prep", (("meta", "relayout_", 3),))),
+    ),
+    ("unary", "relu", 0),
+    ("unary", "relu", 0),
+)
+
+
 @pytest.mark.parametrize(
     "program, outputs, eager_modules",
     [
         (
-            (
-                ("module", 0, 0),
-                ("intarg", 0),
-                ("region", "attn_prep", (("region", "attn_prep", (("meta", "relayout_", 3),)),)),
-                ("unary", "relu", 0),
-                ("unary", "relu", 0),
-                (
-                    "region",
-                    "attn_prep",
-                    (("unary", "relu", 0), ("region", "attn_prep", (("meta", "relayout_", 3),))),
-                ),
-                ("unary", "relu", 0),
-                ("unary", "relu", 0),
-            ),
+            _RELAYOUT_TWICE,
             (3, 0, 0),
             ("PropMlp", "PropMix"),
         ),
@@ -2259,20 +2264,7 @@ def test_regression_a_captured_output_relaid_out_twice_in_nested_regions_of_a_st
     layouts and the run's differ; run without capture the graph still gives eager's numbers."""
     run_case(
         Case(
-            program=(
-                ("module", 0, 0),
-                ("intarg", 0),
-                ("region", "attn_prep", (("region", "attn_prep", (("meta", "relayout_", 3),)),)),
-                ("unary", "relu", 0),
-                ("unary", "relu", 0),
-                (
-                    "region",
-                    "attn_prep",
-                    (("unary", "relu", 0), ("region", "attn_prep", (("meta", "relayout_", 3),))),
-                ),
-                ("unary", "relu", 0),
-                ("unary", "relu", 0),
-            ),
+            program=_RELAYOUT_TWICE,
             outputs=(3, 0, 0),
             runner="v1",
             dynamic=False,
