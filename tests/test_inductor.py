@@ -383,6 +383,38 @@ def test_a_write_through_an_output_view_reaches_its_base(cache_root, inside):
         assert first.outcome != "eager", first.reason
 
 
+def test_a_piece_reading_a_tensor_before_its_layout_changes_in_place_stays_python(cache_root):
+    """Dynamo's fake tensor changes with an in-place layout change (``as_strided_``), so a
+    piece that reads the tensor before it holds the later layout as its example: compiled,
+    Inductor's own stride check raised at the first call. Such a piece keeps its generated Python, the
+    pieces that do not touch the tensor stay compiled, and every call replays eager's numbers."""
+
+    def f(x):
+        h = x * 2 + 1  # captured (piece_0)
+        k = x * 0.5
+        k.t_()  # eager: a boundary between h's piece and the next
+        g = h.sin() * 3 + k.t()  # captured (piece_2): reads h row-major
+        h.as_strided_((3, 5), (1, 3))  # eager: h read column-major from here on
+        return (h + g).cos(), x.relu() * 2
+
+    backend = fxsplit.Backend(
+        capture="emulate", eager_regions=[], compile_pieces="inductor", cache_dir=str(cache_root)
+    )
+    compiled = torch.compile(f, backend=backend, dynamic=False)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 5)
+            for got, want in zip(compiled(x), f(x), strict=True):
+                torch.testing.assert_close(got, want, **TOLERANCE)
+    records = backend.compiled[0].compiled_pieces
+    relaid = [r for r in records if "layout changes in place" in (r.reason or "")]
+    assert relaid and all(r.outcome == "eager" for r in relaid), [
+        (r.outcome, r.reason) for r in records
+    ]
+    assert any(r.outcome != "eager" for r in records), [(r.outcome, r.reason) for r in records]
+    assert counters.snapshot()["replays"] > 0
+
+
 # ------------------------------------------------------------------------------- floats
 
 

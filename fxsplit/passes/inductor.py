@@ -39,6 +39,7 @@ import torch
 from torch.fx import Node
 
 from fxsplit import cache, counters
+from fxsplit.facts.op_facts import changes_layout
 from fxsplit.passes import global_state, inductor_startup, partition, piece_graph, piece_key
 
 log = logging.getLogger("fxsplit")
@@ -321,6 +322,8 @@ def compile_pieces(
     gm = split.graph_module
     nodes = {n.name: n for n in gm.graph.nodes}
     floats = piece_graph.float_sources(gm)
+    relaid = _relaid_out(gm)
+    position = {node: k for k, node in enumerate(gm.graph.nodes)} if relaid else {}
     groups: dict[tuple, list[int]] = {}
     for i, each in enumerate(split.pieces):
         part, module = each.part, each.module
@@ -341,7 +344,7 @@ def compile_pieces(
         first = split.pieces[members[0]].module
         part_nodes = split.pieces[members[0]].part.nodes
         names = tuple(split.pieces[i].module.name for i in members)
-        reason = _not_compiled(split, members[0], nodes, grad_at_entry)
+        reason = _not_compiled(split, members[0], nodes, grad_at_entry, relaid, position)
         piece = None
         if reason is None:
             # a precompiled frame's guards were built when it was compiled
@@ -638,9 +641,36 @@ def _at(value, symbol, n: int):
     return value
 
 
-def _not_compiled(split, i: int, nodes: dict[str, Node], grad_at_entry: bool) -> str | None:
-    """Why piece ``i`` keeps its generated Python, or None when Inductor may compile it."""
+def _relaid_out(gm: torch.fx.GraphModule) -> dict[int, int]:
+    """The example values (by ``id``) whose layout an op of ``gm`` changes in place
+    (:func:`~fxsplit.facts.op_facts.changes_layout`), each with the position of the last such
+    op among the graph's nodes. Dynamo's fake tensor is changed with the real one, so every
+    node over such a tensor holds its last layout as its example, not the one a piece before
+    that op reads."""
+    last = {}
+    for k, node in enumerate(gm.graph.nodes):
+        if changes_layout(node) and node.args and isinstance(node.args[0], Node):
+            value = node.args[0].meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                last[id(value)] = k
+    return last
+
+
+_RELAID = ": its layout changes in place later in the graph, so its example is not its layout here"
+
+
+def _not_compiled(
+    split,
+    i: int,
+    nodes: dict[str, Node],
+    grad_at_entry: bool,
+    relaid: dict[int, int],
+    position: dict[Node, int],
+) -> str | None:
+    """Why piece ``i`` keeps its generated Python, or None when Inductor may compile it
+    (``relaid``: :func:`_relaid_out`; ``position``: each node's among the graph's)."""
     module, plan_piece, part = split.pieces[i].module, split.pieces[i].plan, split.pieces[i].part
+    start = position[part.nodes[0]] if relaid else 0  # a captured piece changes no layout
     if module.stateful or any(global_state.is_state_node(n) for n in part.nodes):
         return "it switches grad mode or autocast (kept as generated Python)"
     if plan_piece.random:
@@ -653,8 +683,12 @@ def _not_compiled(split, i: int, nodes: dict[str, Node], grad_at_entry: bool) ->
             return f"input {name} is a {type(value).__name__}, not a tensor or a size"
         if grad_at_entry and isinstance(value, torch.Tensor) and value.requires_grad:
             return f"input {name} requires grad (compiled pieces are for inference)"
+        if relaid.get(id(value), -1) > start:
+            return f"input {name}{_RELAID}"
     for name in module.output_names:
         value = nodes[name].meta.get("example_value")
+        if relaid.get(id(value), -1) > start:
+            return f"output {name}{_RELAID}"
         if not isinstance(value, (torch.Tensor, torch.SymInt)):
             return f"output {name} is a {type(value).__name__}, not a tensor or a size"
     return None  # outputs sharing storage: piece_graph.build
