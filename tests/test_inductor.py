@@ -386,8 +386,9 @@ def test_a_write_through_an_output_view_reaches_its_base(cache_root, inside):
 def test_a_piece_reading_a_tensor_before_its_layout_changes_in_place_stays_python(cache_root):
     """Dynamo's fake tensor changes with an in-place layout change (``as_strided_``), so a
     piece that reads the tensor before it holds the later layout as its example: compiled,
-    Inductor's own stride check raised at the first call. Such a piece keeps its generated Python, the
-    pieces that do not touch the tensor stay compiled, and every call replays eager's numbers."""
+    Inductor's own stride check raised at the first call. Such a piece keeps its generated
+    Python, the pieces that do not touch the tensor stay compiled, and every call replays
+    eager's numbers."""
 
     def f(x):
         h = x * 2 + 1  # captured (piece_0)
