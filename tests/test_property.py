@@ -2242,9 +2242,10 @@ def test_regression_dynamos_own_wrong_numbers_are_not_fxsplits(
 ):
     """Found by the long profile (seeds 109 and 137): a register's layout changed in place
     (``as_strided_``) twice in a static graph. Dynamo's trace reads the second layout check
-    from the strides before the first change, so its own graph (no split, no capture) returns
-    another layout than eager: the harness rejects such a case (:func:`_dynamo_wrong`, over the
-    case's own calls) instead of blaming fxsplit."""
+    from the strides before the first change (pytorch/pytorch#185888, with ``backend="eager"``
+    too), so its own graph (no split, no capture) returns another layout than eager: the
+    harness rejects such a case (:func:`_dynamo_wrong`, over the case's own calls) instead of
+    blaming fxsplit. On a torch whose Dynamo gets it right, fxsplit must too."""
     case = Case(
         program=program,
         outputs=outputs,
@@ -2255,29 +2256,5 @@ def test_regression_dynamos_own_wrong_numbers_are_not_fxsplits(
         ints=(0, 3) if eager_modules else (0, 0),
         warmup_runs=0,
     )
-    assert _dynamo_wrong(case)
-
-
-def test_dynamo_reads_a_tensors_old_strides_after_as_strided_():
-    """Dynamo's own fault behind the regressions above, with no fxsplit at all
-    (``backend="eager"``): a stride read after an in-place ``as_strided_`` in a trace is the
-    one from before it. The test fails on a torch that fixes this: the harness's rejection of
-    such cases (:func:`_dynamo_wrong`) is then no longer needed for them."""
-
-    def relayout_twice(x):
-        r = x * 3 + 1
-        for _ in range(2):
-            if r.stride() == (4, 1):
-                r.as_strided_((4, 4), (1, 4))
-            elif r.stride() == (1, 4):
-                r.as_strided_((4, 4), (4, 1))
-        return r
-
-    x = torch.randn(4, 4)
-    torch._dynamo.reset()
-    try:
-        compiled = torch.compile(relayout_twice, backend="eager", fullgraph=True)(x)
-    finally:
-        torch._dynamo.reset()
-    assert relayout_twice(x).stride() == (4, 1)
-    assert compiled.stride() == (1, 4)
+    if not _dynamo_wrong(case):
+        run_case(case)

@@ -344,7 +344,12 @@ def compile_pieces(
         first = split.pieces[members[0]].module
         part_nodes = split.pieces[members[0]].part.nodes
         names = tuple(split.pieces[i].module.name for i in members)
-        reason = _not_compiled(split, members[0], nodes, grad_at_entry, relaid, position)
+        reason = _not_compiled(split, members[0], nodes, grad_at_entry)
+        if reason is None and relaid:  # one artifact serves every member: each must fit it
+            reason = next(
+                filter(None, (_relaid_reason(split, i, nodes, relaid, position) for i in members)),
+                None,
+            )
         piece = None
         if reason is None:
             # a precompiled frame's guards were built when it was compiled
@@ -656,21 +661,27 @@ def _relaid_out(gm: torch.fx.GraphModule) -> dict[int, int]:
     return last
 
 
-_RELAID = ": its layout changes in place later in the graph, so its example is not its layout here"
-
-
-def _not_compiled(
-    split,
-    i: int,
-    nodes: dict[str, Node],
-    grad_at_entry: bool,
-    relaid: dict[int, int],
-    position: dict[Node, int],
+def _relaid_reason(
+    split, i: int, nodes: dict[str, Node], relaid: dict[int, int], position: dict[Node, int]
 ) -> str | None:
-    """Why piece ``i`` keeps its generated Python, or None when Inductor may compile it
-    (``relaid``: :func:`_relaid_out`; ``position``: each node's among the graph's)."""
+    """Why piece ``i`` keeps its generated Python because an input or output of it changes
+    layout in place after it (``relaid``: :func:`_relaid_out`; ``position``: each node's
+    among the graph's), else None. A captured piece changes no layout itself."""
+    module = split.pieces[i].module
+    start = position[split.pieces[i].part.nodes[0]]
+    for kind, names in (("input", module.input_names), ("output", module.output_names)):
+        for name in names:
+            if relaid.get(id(nodes[name].meta.get("example_value")), -1) > start:
+                return (
+                    f"{kind} {name}: its layout changes in place later in the graph, so its "
+                    "example is not its layout here"
+                )
+    return None
+
+
+def _not_compiled(split, i: int, nodes: dict[str, Node], grad_at_entry: bool) -> str | None:
+    """Why piece ``i`` keeps its generated Python, or None when Inductor may compile it."""
     module, plan_piece, part = split.pieces[i].module, split.pieces[i].plan, split.pieces[i].part
-    start = position[part.nodes[0]] if relaid else 0  # a captured piece changes no layout
     if module.stateful or any(global_state.is_state_node(n) for n in part.nodes):
         return "it switches grad mode or autocast (kept as generated Python)"
     if plan_piece.random:
@@ -683,12 +694,8 @@ def _not_compiled(
             return f"input {name} is a {type(value).__name__}, not a tensor or a size"
         if grad_at_entry and isinstance(value, torch.Tensor) and value.requires_grad:
             return f"input {name} requires grad (compiled pieces are for inference)"
-        if relaid.get(id(value), -1) > start:
-            return f"input {name}{_RELAID}"
     for name in module.output_names:
         value = nodes[name].meta.get("example_value")
-        if relaid.get(id(value), -1) > start:
-            return f"output {name}{_RELAID}"
         if not isinstance(value, (torch.Tensor, torch.SymInt)):
             return f"output {name} is a {type(value).__name__}, not a tensor or a size"
     return None  # outputs sharing storage: piece_graph.build
