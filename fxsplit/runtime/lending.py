@@ -15,8 +15,8 @@ step's values
 (``UntypedStorage._swap_data_ptr_``), so whatever kept it reads what eager's would, and the
 piece's later loans get a fresh storage. Nothing is counted per call: a loan is found kept from
 its storage's use count and its storage object's references, and a false alarm (a traceback
-holding a frame) costs one copy, never a wrong number. A NumPy array or DLPack capsule made from
-a loan keeps the old address, which no move reaches (documented, not detected).
+holding a frame) costs one copy, never a wrong number. A loan exported to NumPy or DLPack, which
+keep its address, moves at once (:mod:`fxsplit.runtime.exports`).
 
 Where this torch cannot move a storage (2.11), a kept loan is invalidated as CUDA invalidates a
 handed-out output (a read raises) where the hook for that exists, else warned about.
@@ -185,6 +185,21 @@ class Loans:
         storage = loan.storage
         self._fill(loan)
         return storage
+
+    def export(self, value: torch.Tensor) -> tuple[str, str] | None:
+        """``value`` is about to be exported to NumPy or DLPack (:mod:`fxsplit.runtime.exports`),
+        which keep its address: where it is over a loan's storage, that storage moves to memory
+        of its own now, with its values, and the pool tensors are lent anew. Returns ``(graph,
+        piece)`` of a loan that cannot move on this torch (left as it is), else None."""
+        loan = self._at.get(storage_ptr(value)) if self._at else None
+        if loan is None or value.untyped_storage()._cdata != loan.cdata:
+            return None
+        if not may_move():
+            return loan.graph_id, loan.piece
+        self.moved += 1
+        move_out(loan.cdata)
+        self._fill(loan)
+        return None
 
     def _give_up(self, loan: _Loan, refill: bool = True) -> bool:
         """The loan was kept: its storage leaves the pool (moved, or made to raise when read)

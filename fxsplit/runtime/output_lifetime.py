@@ -28,7 +28,8 @@ where this torch can move a storage, and no CUDA capture is under way on this th
 outputs of a graph that is being freed (a reset, weights moved, a reordering recapture: no
 replay writes them again), and the model's own state (an output Dynamo stores into a module's
 buffers, or one that came back as a rebound buffer) before a replay overwrites it, since the
-model reads it back at its next call.
+model reads it back at its next call. A third moves at once: an output exported to NumPy or
+DLPack, which keep its address where no later move reaches (:mod:`fxsplit.runtime.exports`).
 
 Outputs whose storage dies are simply forgotten: a caller that drops what it does not keep pays
 nothing.
@@ -83,6 +84,15 @@ def stale_message(graph_id: str) -> str:
         "has overwritten (captured graphs reuse their output memory on every replay). Clone "
         "outputs you keep past the next call (out.clone()), or compile with "
         "options={'clone_outputs': True}"
+    )
+
+
+def _unexportable(what: str, graph_id: str) -> str:
+    return (
+        f"fxsplit {graph_id}: {what} is exported to NumPy or DLPack, which keep its address, "
+        "and this torch cannot move it out of the memory pool the next replay overwrites "
+        "(no UntypedStorage._swap_data_ptr_, or a CUDA capture is under way): export a clone "
+        "(t.clone().numpy())"
     )
 
 
@@ -193,6 +203,27 @@ class OutputLedger:
     def adopt(self, tensor: torch.Tensor) -> None:
         """Forget ``tensor``'s hand-out: the runtime took its memory over for this call."""
         self._live.pop(tensor.untyped_storage()._cdata, None)
+
+    def export(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is about to be exported to NumPy or DLPack (:mod:`fxsplit.runtime.exports`),
+        which keep its address, not its storage: a live hand-out or loan it is over moves to
+        memory of its own now, with its values, and is forgotten (no replay reaches it).
+
+        Raises:
+            RuntimeError: where this torch cannot move a storage (2.11, or a CUDA capture under
+                way), naming the output; nothing is exported.
+        """
+        handed = self.handed_out(tensor)
+        if handed is None:
+            unmoved = self.loans.export(tensor)
+            if unmoved is not None:
+                raise RuntimeError(_unexportable(f"an output of captured {unmoved[1]}", unmoved[0]))
+            return
+        if not may_move():
+            raise RuntimeError(_unexportable(f"output {handed.slot}", handed.graph_id))
+        del self._live[handed.ref.cdata]
+        self.moved += 1
+        move_out(handed.ref.cdata)
 
     def before_write(self, order: int, step: int) -> None:
         """A graph of capture order ``order`` is about to write the pool: invalidate every live

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from fxsplit.runtime import exports
 from fxsplit.runtime.storage import is_strided, storage_ptr
 
 if TYPE_CHECKING:
@@ -71,8 +72,18 @@ class Provenance:
         self._pools: weakref.WeakSet[MemoryPool] = weakref.WeakSet()  # the open pools
 
     def add_pool(self, pool: MemoryPool) -> None:
-        """``pool``'s memory is fxsplit's from now on."""
+        """``pool``'s memory is fxsplit's from now on (and exports to NumPy or DLPack ask
+        :meth:`before_export` first)."""
         self._pools.add(pool)
+        exports.install(self.before_export)
+
+    def before_export(self, tensor: torch.Tensor) -> None:
+        """``tensor`` is about to be exported to NumPy or DLPack: an output over an open pool's
+        memory moves out of it first (:meth:`OutputLedger.export
+        <fxsplit.runtime.output_lifetime.OutputLedger.export>`, which raises where it cannot)."""
+        if self._pools and type(tensor) is torch.Tensor and tensor.layout == torch.strided:
+            for pool in list(self._pools):
+                pool.ledger.export(tensor)
 
     def drop_pool(self, pool: MemoryPool) -> None:
         """``pool``'s memory is released: nothing asks it any more."""

@@ -118,9 +118,8 @@ class CaptureSession:
             self._warned_held = True
             warn_at_caller(
                 f"fxsplit {held[0]}: an output of an earlier call is still held after a later "
-                "replay reused its memory. Under capture='emulate' the tensor's values were "
-                "kept by a copy, but a NumPy array or DLPack capsule made from it still reads "
-                "the reused memory; on CUDA, reading it raises. Clone outputs you keep across "
+                "replay reused its memory. Under capture='emulate' its values were kept by a "
+                "copy; on CUDA, reading it raises. Clone outputs you keep across "
                 "calls (out.clone()), or compile with options={'clone_outputs': True}",
                 FxsplitRuntimeWarning,
             )
