@@ -7,19 +7,19 @@ non-square registers), random ops, values stored through side effects (a dict en
 attribute, a forward hook), the model's own state kept between calls (a buffer read, written in
 place, written through a slice, rebound), multi-output ops with getitem, a custom two-output op,
 ``torch.Size`` values used later, SymInt arithmetic, a per-step int argument, tensor constants,
-submodules, eager ops that keep their argument or write a caller's input where its version
-counter does not see it (``.data``, NumPy, another tensor over its memory), ``no_grad`` blocks
-and regions, nested too, and at most one graph break) run by one
-``nn.Module`` whose ``forward`` interprets it (Dynamo unrolls the loop, so one module class serves
-every example). The example also draws the runner (``v1``, ``v2`` or a custom runner with every
-region eager), the capture mode (``"off"`` or ``"emulate"``), ``dynamic``, the outer grad mode
-(grad, ``no_grad`` or ``inference_mode``, as vLLM calls its model), splitting ops, eager
+submodules, eager ops that keep their argument (autograd too: a loss saving it for backward) or
+write a caller's input where its version counter does not see it (``.data``, NumPy, another tensor
+over its memory), ``no_grad`` blocks and regions, nested too, and at most one graph break) run by
+one ``nn.Module`` whose ``forward`` interprets it (Dynamo unrolls the loop, so one module class
+serves every example). The example also draws the runner (``v1``, ``v2`` or a custom runner with
+every region eager), the capture mode (``"off"`` or ``"emulate"``), ``dynamic``, the outer grad
+mode (grad, ``no_grad`` or ``inference_mode``, as vLLM calls its model), splitting ops, eager
 modules, warm-up runs, verify, capture sizes, ``clone_outputs``, ``max_captured_keys``,
-``on_capture_error``, whether each step's second input is the previous
-step's output, whether the caller keeps every step's outputs and stored values, whether the caller
-changes the model between two calls (weights copied in place, weights or the state buffer replaced
-by new tensors), and the capture order: pieces that capture steps later than others (more warm-ups,
-or a first capture refused).
+``on_capture_error``, whether each step's second input is the previous step's output, whether the
+caller keeps every step's outputs and stored values, whether the caller changes the model between
+two calls (weights copied in place, weights or the state buffer replaced by new tensors), and the
+capture order: pieces that capture steps later than others (more warm-ups, or a first capture
+refused).
 
 Property: ``torch.compile(model, backend=fxsplit.Backend(...))`` returns exactly what eager
 returns (``torch.equal``), stores what eager stores, and leaves its inputs and the model's
@@ -138,14 +138,28 @@ def _(t, src):
 
 
 STASH: list = []  # what fxsplit_prop::stash kept, in order (see _kept)
-STASH_FORMS = 3  # the argument, a view of it, its storage alone
+# the argument, a view of it, its storage alone (fxsplit_prop::stash), or what autograd saves
+# for the backward of a product with a leaf that requires grad (traced: see Interp, "stash")
+STASH_FORMS = 4
+GRAD_LEAF = torch.linspace(-1, 1, D, requires_grad=True)  # (D,)
+# the losses of that last form, in order: a list of their own, as Dynamo replays a global list
+# the graph appends to from what it traced (an item an op appended within the graph is lost)
+GRAD_STASH: list = []
+
+
+def _take_stash() -> list:
+    """What the program kept in the call just made (both lists, emptied)."""
+    taken = [*STASH, *GRAD_STASH]
+    STASH.clear()
+    GRAD_STASH.clear()
+    return taken
 
 
 @torch.library.custom_op("fxsplit_prop::stash", mutates_args=())
 def stash(x: torch.Tensor, how: int = 0) -> torch.Tensor:
     """Keeps its argument past the call (as a prefix cache might): the tensor itself, a view of
-    it, or only its storage (``how``, one of ``STASH_FORMS``); always a splitting op, so it runs
-    in an eager piece, on a captured piece's output when it follows one."""
+    it, or only its storage (``how``: 0, 1 or 2 of ``STASH_FORMS``); always a splitting op, so
+    it runs in an eager piece, on a captured piece's output when it follows one."""
     if how == 0:
         STASH.append(x)
     elif how == 1:
@@ -161,8 +175,11 @@ def _(x, how=0):
 
 
 def _kept(value) -> torch.Tensor:
-    """What the stash op kept, as a tensor (one rebuilt over a storage kept alone)."""
+    """What the stash op kept, as a tensor (one rebuilt over a storage kept alone; for a loss,
+    its gradient with respect to ``GRAD_LEAF``, which reads what autograd saved)."""
     if isinstance(value, torch.Tensor):
+        if value.requires_grad:  # not under inference_mode, where autograd records nothing
+            return torch.autograd.grad(value, GRAD_LEAF, retain_graph=True)[0]
         return value
     storage, shape, stride, offset, dtype = value
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
@@ -462,6 +479,12 @@ class Interp(nn.Module):
             regs.append(u if u.shape == regs[0].shape else u.t())
         elif kind == "rand":
             regs.append(regs[ins[1] % n] + torch.rand_like(regs[ins[1] % n]))
+        elif kind == "stash" and len(ins) > 2 and ins[2] == 3:
+            # a pure op whose result autograd tracks: the loss's graph saves r for backward
+            r = regs[ins[1] % n]
+            with torch.enable_grad():
+                GRAD_STASH.append((r * GRAD_LEAF).sum())
+            regs.append(r * 1.5 + 0.5)
         elif kind == "stash":
             how = ins[2] if len(ins) > 2 else 0
             regs.append(torch.ops.fxsplit_prop.stash(regs[ins[1] % n], how))
@@ -975,6 +998,8 @@ EXPECTED_REFUSALS = (
     "changes the size or stride of input",
     # functionalization cannot analyse a write through an as_strided view of a view
     "as_strided() is non-compositional",
+    # grad on around the call, and the program reads GRAD_LEAF (stash form 3): nothing captures
+    "grad is enabled and an input requires grad",
 )
 
 
@@ -1132,7 +1157,7 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
         for m in (eager, model):
             torch.manual_seed(len(schedule))
             m(prime.clone(), prime.clone(), case.ints[0])
-    STASH.clear()
+            _take_stash()  # (Dynamo guards on the length of a list the graph appends to)
     expected = got = None
     stashed: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (eager's, compiled's, step)
     with warnings.catch_warnings(record=True) as seen, _no_gc():
@@ -1169,16 +1194,14 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
             with grad():
                 n = case.ints[step % 2]
                 torch.manual_seed(step)  # random ops draw the same numbers in both
-                STASH.clear()
+                _take_stash()
                 expected = eager(xe, ye, n)
                 stored_e = eager.stored()
-                stash_e = list(STASH)
-                STASH.clear()
+                stash_e = _take_stash()
                 torch.manual_seed(step)
                 got = compiled(xc, yc, n)
                 stored_c = model.stored()
-                stashed += [(e, c, step) for e, c in zip(stash_e, STASH, strict=True)]
-                STASH.clear()
+                stashed += [(e, c, step) for e, c in zip(stash_e, _take_stash(), strict=True)]
             # What an eager op kept from this and earlier steps holds what eager's kept holds,
             # unless fxsplit warned, before the replay that overwrote it, that it is kept.
             if not any("still referenced after the call" in str(w.message) for w in seen):
@@ -2258,3 +2281,36 @@ def test_regression_dynamos_own_wrong_numbers_are_not_fxsplits(
     )
     if not _dynamo_wrong(case):
         run_case(case)
+
+
+def test_regression_what_autograd_saves_in_a_captured_pieces_uncaptured_run_is_lent():
+    """Found by the CI profile once the autograd form of the stash was drawn: under v2 the
+    ``enable_grad`` product of attn_prep's output with a leaf that requires grad sat in a
+    captured piece; capture refused it every step (its output requires grad), so it ran
+    uncaptured on the earlier piece's pool tensor itself, which autograd saved, and the next
+    replay overwrote it (the kept loss's gradient changed). A node whose result autograd tracks
+    under a graph entered without grad now runs eagerly, where it is lent what it reads."""
+    run_case(
+        Case(
+            program=(
+                ("unary", "relu", 0),
+                (
+                    "region",
+                    "attn_prep",
+                    (
+                        ("unary", "relu", 14),
+                        ("state", "read", 0),
+                        ("meta", "t_", 14),
+                        ("stash", 15, 3),
+                    ),
+                ),
+            ),
+            outputs=(2,),
+            runner="v2",
+            dynamic=False,
+            sizes=(1, 2),
+            ints=(0, 0),
+            binding="copy",
+            warmup_runs=0,
+        )
+    )

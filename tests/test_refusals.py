@@ -5,12 +5,14 @@ such call with the reason; ``"fallback"`` runs it uncaptured, counts the reason 
 from __future__ import annotations
 
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
 import fxsplit
+from fxsplit.passes import mark
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
@@ -93,6 +95,9 @@ def test_raise_refuses_a_piece_the_aliasing_analysis_cannot_run_on(monkeypatch):
 
 
 def test_raise_reports_an_output_that_requires_grad():
+    """Where the graph's example values do not say what autograd tracks (the mark pass then
+    leaves the product captured), the capture itself refuses an output that requires grad."""
+
     class Grads(nn.Module):
         def __init__(self):
             super().__init__()
@@ -106,7 +111,10 @@ def test_raise_reports_an_output_that_requires_grad():
             return z * 2
 
     model, _ = _compile(Grads(), on_capture_error="raise")
-    with torch.no_grad():
+    with (
+        mock.patch.object(mark, "_autograd_tracked", lambda value, grad_at_entry: False),
+        torch.no_grad(),
+    ):
         model(torch.randn(2, D))  # warm-up
         with pytest.raises(RuntimeError, match="requires grad"):
             model(torch.randn(2, D))

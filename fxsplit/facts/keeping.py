@@ -26,7 +26,7 @@ from torch.fx import Node
 
 from fxsplit.facts import op_facts
 
-__all__ = ["kept_inputs"]
+__all__ = ["kept_inputs", "tracked"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -73,20 +73,23 @@ def _cannot_keep(node: Node) -> bool:
     tangent (``make_dual`` holds the tangent it is given), whatever the op's schema says."""
     if node.target is not operator.getitem and not op_facts.is_pure(node):
         return False
-    return not _tracked(node.meta.get("example_value"))
+    return not tracked(node.meta.get("example_value"))
 
 
-def _tracked(value: object) -> bool:
+def tracked(value: object, unknown: bool = True) -> bool:
+    """Whether autograd tracks ``value`` (a tensor, or a tuple or list of them): it requires
+    grad, or carries a forward-mode tangent; then what made it may be kept (saved for backward,
+    the tangent). ``unknown`` where torch gives no answer."""
     if isinstance(value, (tuple, list)):
-        return any(_tracked(each) for each in value)
+        return any(tracked(each, unknown) for each in value)
     if not isinstance(value, torch.Tensor):
         return False
     if value.requires_grad:
         return True
     try:
         return torch._unpack_dual(value, 0).tangent is not None
-    except Exception:  # no answer: it may be tracked
-        return True
+    except Exception:
+        return unknown
 
 
 def _storages(node: Node) -> frozenset | None:

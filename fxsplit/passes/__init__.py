@@ -62,7 +62,7 @@ def split(
     indices = (size_input,) if isinstance(size_input, int) else tuple(size_input or ())
     tokens = [placeholders[i] for i in indices]
     steps = step_sizes.find(gm.graph, tokens, leading_only=model_values, every_size=dynamic)
-    marks = mark.mark(gm.graph, policy, steps.reasons)
+    marks = mark.mark(gm.graph, policy, steps.reasons, grad_at_entry)
     parts = partition.partition(marks)
     done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host)
     facts = _aliasing(gm, parts, done) if analyse else [None] * len(parts)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, Node
 
-from fxsplit.facts import op_facts
+from fxsplit.facts import keeping, op_facts
 from fxsplit.facts.ops import OpMatcher, op_name
 from fxsplit.passes import global_state
 from fxsplit.passes.modules import ModuleMatcher
@@ -128,11 +128,20 @@ def _trivial_target(node: Node) -> bool:
 _SKIPPED = frozenset({"placeholder", "get_attr", "output"})
 
 
-def mark(graph: Graph, policy: Policy, dynamic: dict[Node, tuple[str, ...]] | None = None) -> Marks:
+def mark(
+    graph: Graph,
+    policy: Policy,
+    dynamic: dict[Node, tuple[str, ...]] | None = None,
+    grad_at_entry: bool = True,
+) -> Marks:
     """Mark every node of ``graph`` (normalised, see :mod:`fxsplit.passes.normalise`).
 
     ``dynamic``: nodes that read or make a size changing every step, with their
-    ``dynamic:<what>`` reasons (:func:`fxsplit.passes.step_sizes.find`)."""
+    ``dynamic:<what>`` reasons (:func:`fxsplit.passes.step_sizes.find`). ``grad_at_entry``:
+    grad mode when the graph is called; entered without grad, a node whose result autograd
+    tracks (an ``enable_grad`` block, a forward-mode dual) is capture-unsafe: a replay would
+    return the capture step's autograd graph, and what it saves must be lent, not pool memory
+    (:mod:`fxsplit.facts.keeping`). Entered with grad, such a graph never captures."""
     marks = Marks()
     eager_regions = policy.eager_regions
     splitting_ops = policy.splitting_ops or None
@@ -215,6 +224,8 @@ def mark(graph: Graph, policy: Policy, dynamic: dict[Node, tuple[str, ...]] | No
             unsafe = op_name(node) or str(target)
         if unsafe is None and on_accelerator and _host_work(node, value):
             unsafe = f"{op_name(node) or getattr(target, '__name__', target)} (host tensor)"
+        if unsafe is None and _autograd_tracked(value, grad_at_entry):
+            unsafe = f"{op_name(node) or getattr(target, '__name__', target)} (autograd tracks it)"
         if unsafe is not None:
             reasons.append(f"unsafe:{unsafe}")
         if regions:
@@ -229,6 +240,19 @@ def mark(graph: Graph, policy: Policy, dynamic: dict[Node, tuple[str, ...]] | No
         ):
             marks.trivial.add(node)
     return marks
+
+
+def _autograd_tracked(value: object, grad_at_entry: bool) -> bool:
+    """A tensor result autograd tracks where the graph's callers do not: one an autograd node
+    made (it may save what it read) under a graph entered without grad, or one with a
+    forward-mode tangent. A parameter and its views require grad without a node (no_grad keeps
+    ``requires_grad`` on views of a leaf); a value torch gives no answer for is not marked (the
+    runtime refuses a capture whose output requires grad)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    if value.requires_grad:
+        return not grad_at_entry and value.grad_fn is not None
+    return keeping.tracked(value, unknown=False)
 
 
 def _host_work(node: Node, value: object) -> bool:
