@@ -186,13 +186,14 @@ class Loans:
         self._fill(loan)
         return storage
 
-    def export(self, value: torch.Tensor) -> tuple[str, str] | None:
-        """``value`` is about to be exported to NumPy or DLPack (:mod:`fxsplit.runtime.exports`),
-        which keep its address: where it is over a loan's storage, that storage moves to memory
-        of its own now, with its values, and the pool tensors are lent anew. Returns ``(graph,
-        piece)`` of a loan that cannot move on this torch (left as it is), else None."""
-        loan = self._at.get(storage_ptr(value)) if self._at else None
-        if loan is None or value.untyped_storage()._cdata != loan.cdata:
+    def export(self, cdata: int, ptr: int) -> tuple[str, str] | None:
+        """A tensor over the storage ``cdata`` (at address ``ptr``) is about to be exported to
+        NumPy or DLPack (:mod:`fxsplit.runtime.exports`), which keep its address: where that is
+        a loan's storage, it moves to memory of its own now, with its values, and the pool
+        tensors are lent anew. Returns ``(graph, piece)`` of a loan that cannot move on this
+        torch (left as it is), else None."""
+        loan = self._at.get(ptr) if self._at else None
+        if loan is None or cdata != loan.cdata:
             return None
         if not may_move():
             return loan.graph_id, loan.piece

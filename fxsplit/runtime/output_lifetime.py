@@ -204,26 +204,27 @@ class OutputLedger:
         """Forget ``tensor``'s hand-out: the runtime took its memory over for this call."""
         self._live.pop(tensor.untyped_storage()._cdata, None)
 
-    def export(self, tensor: torch.Tensor) -> None:
-        """``tensor`` is about to be exported to NumPy or DLPack (:mod:`fxsplit.runtime.exports`),
-        which keep its address, not its storage: a live hand-out or loan it is over moves to
-        memory of its own now, with its values, and is forgotten (no replay reaches it).
+    def export(self, cdata: int, ptr: int) -> None:
+        """A tensor over the storage ``cdata`` (at address ``ptr``) is about to be exported to
+        NumPy or DLPack (:mod:`fxsplit.runtime.exports`), which keep its address, not its
+        storage: a live hand-out or loan it is over moves to memory of its own now, with its
+        values, and is forgotten (no replay reaches it).
 
         Raises:
             RuntimeError: where this torch cannot move a storage (2.11, or a CUDA capture under
                 way), naming the output; nothing is exported.
         """
-        handed = self.handed_out(tensor)
-        if handed is None:
-            unmoved = self.loans.export(tensor)
+        handed = self._live.get(cdata)
+        if handed is None or handed.ref.expired():
+            unmoved = self.loans.export(cdata, ptr)
             if unmoved is not None:
                 raise RuntimeError(_unexportable(f"an output of captured {unmoved[1]}", unmoved[0]))
             return
         if not may_move():
             raise RuntimeError(_unexportable(f"output {handed.slot}", handed.graph_id))
-        del self._live[handed.ref.cdata]
+        del self._live[cdata]
         self.moved += 1
-        move_out(handed.ref.cdata)
+        move_out(cdata)
 
     def before_write(self, order: int, step: int) -> None:
         """A graph of capture order ``order`` is about to write the pool: invalidate every live

@@ -69,25 +69,34 @@ class Provenance:
     def __init__(self):
         self._returned: dict[int, _Returned] = {}  # id(graph) -> what its calls returned
         self._taken: dict[int, StorageWeakRef] = {}  # private copies of a call under way
-        self._pools: weakref.WeakSet[MemoryPool] = weakref.WeakSet()  # the open pools
+        # the open pools, weakly: id -> reference (a WeakSet's iteration costs microseconds,
+        # and every NumPy export asks them)
+        self._pools: dict[int, weakref.ref[MemoryPool]] = {}
 
     def add_pool(self, pool: MemoryPool) -> None:
         """``pool``'s memory is fxsplit's from now on (and exports to NumPy or DLPack ask
         :meth:`before_export` first)."""
-        self._pools.add(pool)
+        pools, key = self._pools, id(pool)
+        pools[key] = weakref.ref(pool, lambda _, key=key: pools.pop(key, None))
         exports.install(self.before_export)
+
+    def _open(self) -> list[MemoryPool]:
+        return [pool for ref in list(self._pools.values()) if (pool := ref()) is not None]
 
     def before_export(self, tensor: torch.Tensor) -> None:
         """``tensor`` is about to be exported to NumPy or DLPack: an output over an open pool's
         memory moves out of it first (:meth:`OutputLedger.export
         <fxsplit.runtime.output_lifetime.OutputLedger.export>`, which raises where it cannot)."""
-        if self._pools and type(tensor) is torch.Tensor and tensor.layout == torch.strided:
-            for pool in list(self._pools):
-                pool.ledger.export(tensor)
+        if not self._pools or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+            return
+        storage = tensor.untyped_storage()
+        cdata, ptr = storage._cdata, storage.data_ptr()
+        for pool in self._open():
+            pool.ledger.export(cdata, ptr)
 
     def drop_pool(self, pool: MemoryPool) -> None:
         """``pool``'s memory is released: nothing asks it any more."""
-        self._pools.discard(pool)
+        self._pools.pop(id(pool), None)
 
     def produced(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in memory fxsplit produced, by any backend of the process:
@@ -110,14 +119,15 @@ class Provenance:
             return False
         ptr = tensor.untyped_storage().data_ptr()
         return any(
-            pool.ledger.handed_out(tensor) is not None or ptr in pool.owners for pool in self._pools
+            pool.ledger.handed_out(tensor) is not None or ptr in pool.owners
+            for pool in self._open()
         )
 
     def captured_output(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in a captured graph's output storage of an open pool (a
         replay changes it, unseen by its version counter)."""
         ptr = storage_ptr(tensor)
-        return any(ptr in pool.owners for pool in self._pools)
+        return any(ptr in pool.owners for pool in self._open())
 
     def record_outputs(self, owner: object, graph: object, out: tuple, args: tuple = ()) -> None:
         """Remember the outputs of this call of ``graph`` (run in session ``owner``), except
