@@ -32,5 +32,5 @@ echo "setup: 2/2 fxsplit (editable, this folder), rich, tqdm, graphviz, test too
 # compat mode puts the repository root on sys.path (a .pth file): `import fxsplit` then finds
 # the package even from a folder holding a clone named fxsplit (a finder-based editable install
 # loses to that folder, which imports as an empty namespace package).
-python3 -m pip install -q -e ".[test]" --config-settings editable_mode=compat
+python3 -m pip install -q -e ".[test,goldens]" --config-settings editable_mode=compat
 echo "setup: done; the fxsplit command: $(command -v fxsplit || echo "$where/bin/fxsplit")"
