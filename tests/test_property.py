@@ -174,12 +174,35 @@ def _(x, how=0):
     return torch.empty_like(x)
 
 
+def _kept_pair(eager, compiled) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the program kept in eager and compiled, as tensors (:func:`_kept`); for losses, their
+    gradients with respect to ``GRAD_LEAF``, which read what autograd saved, or the losses
+    themselves where eager's backward refuses (a saved tensor the program then wrote in place)
+    or autograd recorded nothing (inference_mode)."""
+    if isinstance(eager, torch.Tensor) and eager.requires_grad:
+        try:
+            return (
+                torch.autograd.grad(eager, GRAD_LEAF, retain_graph=True)[0],
+                torch.autograd.grad(compiled, GRAD_LEAF, retain_graph=True)[0],
+            )
+        except RuntimeError:
+            if not _backward_refused(eager):
+                raise
+        return eager.detach(), compiled.detach()
+    return _kept(eager), _kept(compiled)
+
+
+def _backward_refused(loss: torch.Tensor) -> bool:
+    try:
+        torch.autograd.grad(loss, GRAD_LEAF, retain_graph=True)
+    except RuntimeError as error:
+        return "modified by an inplace operation" in str(error)
+    return False
+
+
 def _kept(value) -> torch.Tensor:
-    """What the stash op kept, as a tensor (one rebuilt over a storage kept alone; for a loss,
-    its gradient with respect to ``GRAD_LEAF``, which reads what autograd saved)."""
+    """What the stash op kept, as a tensor (one rebuilt over a storage kept alone)."""
     if isinstance(value, torch.Tensor):
-        if value.requires_grad:  # not under inference_mode, where autograd records nothing
-            return torch.autograd.grad(value, GRAD_LEAF, retain_graph=True)[0]
         return value
     storage, shape, stride, offset, dtype = value
     return torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
@@ -1207,7 +1230,7 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
             if not any("still referenced after the call" in str(w.message) for w in seen):
                 mine = [t for pair in buffers.values() for t in pair]  # refilled by the caller
                 for e, c, then in stashed:
-                    e, c = _kept(e), _kept(c)
+                    e, c = _kept_pair(e, c)
                     if not any(_shares_storage(c, t) for t in mine):
                         assert _same(e, c, exact), f"step {step}: what an op kept at {then} changed"
             for t, snap in held:  # never handed in this step: nothing may have written them

@@ -22,6 +22,7 @@ import operator
 from collections.abc import Sequence
 
 import torch
+from torch.autograd import forward_ad
 from torch.fx import Node
 
 from fxsplit.facts import op_facts
@@ -86,6 +87,10 @@ def tracked(value: object, unknown: bool = True) -> bool:
         return False
     if value.requires_grad:
         return True
+    if forward_ad._current_level < 0:
+        # no dual level is open, so no value has a tangent (and asking a fake tensor made under
+        # inference_mode logs an internal assert with a traceback that holds the frames' tensors)
+        return False
     try:
         return torch._unpack_dual(value, 0).tangent is not None
     except Exception:
