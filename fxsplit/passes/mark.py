@@ -141,7 +141,8 @@ def mark(
     grad mode when the graph is called; entered without grad, a node whose result autograd
     tracks (an ``enable_grad`` block, a forward-mode dual) is capture-unsafe: a replay would
     return the capture step's autograd graph, and what it saves must be lent, not pool memory
-    (:mod:`fxsplit.facts.keeping`). Entered with grad, such a graph never captures."""
+    (:mod:`fxsplit.facts.keeping`). Entered with grad, the runtime refuses to capture where an
+    input or an output requires grad."""
     marks = Marks()
     eager_regions = policy.eager_regions
     splitting_ops = policy.splitting_ops or None
