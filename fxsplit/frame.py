@@ -88,21 +88,25 @@ def read_frame(gm: GraphModule) -> Frame | None:
 
 
 def _state_outputs(tx, gm: GraphModule) -> frozenset[int]:
-    """Positions of ``gm``'s outputs that Dynamo's side effects store into a module's
-    parameters or buffers after the graph runs (``self.t = <output>`` mutates the module's
-    ``_buffers``); empty where Dynamo's internals differ."""
+    """Positions of ``gm``'s outputs that Dynamo's side effects store after the graph runs: into
+    a module's parameters or buffers (``self.t = <output>`` mutates the module's ``_buffers``),
+    or as an attribute of any object (a cache made inside the call: ``layer.keys =
+    torch.zeros(...)``); empty where Dynamo's internals differ."""
     try:
         outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
         position = {node: i for i, node in enumerate(outputs) if isinstance(node, torch.fx.Node)}
         side_effects = tx.output.side_effects
-        found = set()
+        stored = [
+            v for values in side_effects.store_attr_mutations.values() for v in values.values()
+        ]
         for var in side_effects._get_modified_vars():
-            if getattr(var.source, "member", None) not in ("_buffers", "_parameters"):
-                continue
-            for value in var.items.values():
-                node = getattr(getattr(value, "proxy", None), "node", None)
-                if node in position:
-                    found.add(position[node])
+            if getattr(var.source, "member", None) in ("_buffers", "_parameters"):
+                stored.extend(var.items.values())
+        found = set()
+        for value in stored:
+            node = getattr(getattr(value, "proxy", None), "node", None)
+            if node in position:
+                found.add(position[node])
     except Exception as error:  # another torch's internals: learnt at run time instead
         log.debug("fxsplit: Dynamo's side effects not read (%s): %s", type(error).__name__, error)
         return frozenset()

@@ -352,8 +352,13 @@ def test_dynamo_says_which_outputs_a_graph_stores_into_buffers():
     with torch.no_grad():
         out = torch.compile(net, backend=backend)(_x(0))
     (pool,) = backend._session.pools.values()
-    assert pool.ledger.handed_out(net.t).state
-    assert not pool.ledger.handed_out(out).state
+    ledger = pool.ledger
+    if ledger.owns_copy("graph_0", 0) or ledger.owns_copy("graph_0", 1):  # torch 2.11
+        assert ledger.handed_out(net.t) is None and ledger.handed_out(out) is not None
+        return
+    state, returned = ledger.handed_out(net.t), ledger.handed_out(out)
+    assert (state.graph_id, state.slot) in ledger.state_slots
+    assert (returned.graph_id, returned.slot) not in ledger.state_slots
 
 
 class _CacheMadeInPrefill(_Linear):

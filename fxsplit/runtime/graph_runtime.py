@@ -87,7 +87,7 @@ class GraphRuntime:
         self.pool = pool
         if pool is not None and frame is not None:
             for slot in frame.state_outputs:
-                pool.ledger.state_slot(self.graph_id, slot)
+                pool.ledger.keep_as_state(self.graph_id, slot)
         self.device = device
         self.session = session
         self.on_capture_error = config.on_capture_error
@@ -210,7 +210,7 @@ class GraphRuntime:
                     facts,
                     each.plan,
                     self.context,
-                    _generators(part.nodes),
+                    _generators(part.nodes, "cuda" if self.mode == "cuda" else "cpu"),
                     after_eager,
                 )
                 after_eager = False
@@ -312,7 +312,6 @@ class GraphRuntime:
                 provenance.RECORD.forget_taken(handed)
         if pool is not None:
             out = hand_out(out, pool, self.graph_id, self.clone_outputs)
-            pool.ledger.returned(self.graph_id, pool.step)
         provenance.RECORD.record_outputs(session, self, out, args)
         return out
 
@@ -411,7 +410,7 @@ class GraphRuntime:
             else:
                 found = provenance.RECORD.output_slot(self.session, args[i])
             if found is not None:
-                ledger.keep_as_state(args[i], *found)
+                ledger.keep_as_state(*found)
 
     def _check_settled(self, args) -> None:
         """Rebound parameters that held still are read by address again
@@ -463,12 +462,13 @@ class GraphRuntime:
         return dropped
 
 
-def _generators(nodes) -> tuple:
-    """The CUDA generators other than the default ones that ``nodes`` pass to their ops."""
+def _generators(nodes, device: str) -> tuple:
+    """The generators on ``device`` (a device type) other than the default ones that ``nodes``
+    pass to their ops."""
     found: dict[int, torch.Generator] = {}
     for node in nodes:
         for value in tree_leaves((node.args, node.kwargs)):
-            if isinstance(value, torch.Generator) and value.device.type == "cuda":
+            if isinstance(value, torch.Generator) and value.device.type == device:
                 found.setdefault(id(value), value)
     return tuple(found.values())
 

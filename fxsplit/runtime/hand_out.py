@@ -74,7 +74,9 @@ def hand_back(out: tuple, handed: list, graph_id: str) -> tuple:
 
 def hand_out(out: tuple, pool, graph_id: str, clone: bool) -> tuple:
     """The outputs in the pool's memory as fresh tensors the ledger follows, or clones with
-    ``clone_outputs`` (keeping eager's aliasing between them)."""
+    ``clone_outputs`` (keeping eager's aliasing between them) and for the model's state where
+    this torch cannot move it out of the pool later
+    (:meth:`~fxsplit.runtime.output_lifetime.OutputLedger.owns_copy`)."""
     owners, ledger = pool.owners, pool.ledger
     # addresses read before anything moves: a loan moved below takes every tensor over it along
     ptrs = {
@@ -103,6 +105,11 @@ def hand_out(out: tuple, pool, graph_id: str, clone: bool) -> tuple:
         for j, copy in zip(mine, clone_sharing([out[j] for j in mine]), strict=True):
             result[j] = copy
         return tuple(result)
+    own = [j for j in mine if ledger.owns_copy(graph_id, j)]
+    if own:
+        for j, copy in zip(own, clone_sharing([out[j] for j in own]), strict=True):
+            result[j] = copy
+        mine = [j for j in mine if j not in own]
     storages: dict[int, torch.UntypedStorage] = {}
     step = pool.step
     for j in mine:

@@ -8,31 +8,24 @@ Dynamo's side effects, kept by a forward hook) are therefore *handed out*, as In
 cudagraph trees do: each call returns fresh tensor objects over fresh storage objects that do not
 own the pool's memory, and the :class:`OutputLedger` keeps weak references to those storages.
 
-Before a replay that may overwrite a handed-out output still referenced anywhere, the ledger
-*invalidates* it:
+One rule, on CUDA and in the CPU emulator alike: before a write that may reuse the memory of a
+handed-out output still referenced anywhere (a replay, a copy into the pool, its graph freed),
+the output *moves* to memory of its own with its values (``UntypedStorage._swap_data_ptr_``: the
+output and every view of it follow). From then on it is the caller's tensor, as eager's would
+be: reading it, writing it and handing it back in all work. An output the caller drops before
+the next call costs nothing; one it keeps costs one copy per replay that would overwrite it
+(counted in :attr:`OutputLedger.moved`).
 
-- on CUDA, through PyTorch's own machinery: ``torch._C._set_storage_data_ptr_access_error_msg``
-  makes every tensor over that storage (the output and every view of it) raise with fxsplit's
-  message when its data is read. Nothing is copied, so the steady loop ``logits = model(...)``
-  (the previous step's logits still bound, never read again) costs no copy;
-- in the CPU emulator, whose wheel lacks that function and where no hook on a read of a CPU
-  tensor exists, the storage's memory is replaced by a copy of its values
-  (``UntypedStorage._swap_data_ptr_``): the number stays right. The emulator raises where it
-  can see the read: an invalidated output handed to any compiled graph of the backend raises
-  :class:`StaleOutputError` (as reading it on CUDA would), and an invalidated output still held a
-  step after it was overwritten is warned about once. A torch without ``_swap_data_ptr_``
-  (2.11) invalidates as CUDA does where it has the error message hook, else hands out clones.
+A torch that cannot move a storage (2.11) *invalidates* instead, as Inductor's cudagraph trees
+do: ``torch._C._set_storage_data_ptr_access_error_msg`` makes every read of the output raise
+with fxsplit's message, and handing it to a compiled graph raises :class:`StaleOutputError`
+(a CPU-only build without that hook hands outputs out as clones). There, what the model keeps as
+its state (an output Dynamo stores on an object or into a module's buffers, or one that came back
+as a rebound buffer) is handed out as memory of its own from the start: the model reads it back
+at its next call, after replays that would invalidate it.
 
-Two kinds of held output are *moved* instead (a copy of their values into memory of their own,
-where this torch can move a storage, and no CUDA capture is under way on this thread): the
-outputs of a graph that is being freed (a reset, weights moved, a reordering recapture: no
-replay writes them again), and the model's own state (an output Dynamo stores into a module's
-buffers, or one that came back as a rebound buffer) before a replay overwrites it, since the
-model reads it back at its next call. A third moves at once: an output exported to NumPy or
-DLPack, which keep its address where no later move reaches (:mod:`fxsplit.runtime.exports`).
-
-Outputs whose storage dies are simply forgotten: a caller that drops what it does not keep pays
-nothing.
+An output exported to NumPy or DLPack, which keep its address, moves at once
+(:mod:`fxsplit.runtime.exports`).
 
 A captured piece's output that an eager piece of the same graph reads is lent to it
 (:mod:`fxsplit.runtime.lending`): a loan an eager op keeps moves out of the pool before the next
@@ -104,31 +97,38 @@ class _HandOut:
     graph_id: str
     ptr: int  # the memory's address
     slot: int  # its position among the graph's outputs
-    state: bool  # the model keeps that output as its state (see OutputLedger.keep_as_state)
 
 
 class OutputLedger:
     """The outputs one memory pool handed out that may still be referenced.
 
-    Args:
-        poison: invalidate by making reads raise (CUDA); else by copying the values out
-            (the emulator).
-
     Attributes:
         loans: the outputs lent to eager pieces (:class:`~fxsplit.runtime.lending.Loans`).
+        poison: this torch cannot move a storage and invalidates held outputs instead (2.11).
+        can_invalidate: a held output can be moved or invalidated; where neither is possible,
+            outputs are handed out as clones.
+        moved: hand-outs moved to memory of their own, in all.
+        invalidated: hand-outs invalidated while referenced, in all (torch 2.11).
+        state_slots: ``(graph id, output position)`` of the outputs the model keeps as its
+            state (:meth:`keep_as_state`).
     """
 
-    def __init__(self, poison: bool):
-        self.poison = (poison or not _CAN_SWAP) and _POISON is not None
+    def __init__(self):
+        self.poison = not _CAN_SWAP and _POISON is not None
         self.loans = Loans(poison=self.poison)
-        self.can_invalidate = self.poison or _CAN_SWAP  # else outputs are handed out as clones
+        self.can_invalidate = self.poison or _CAN_SWAP
         self._live: dict[int, _HandOut] = {}  # storage cdata -> hand-out
         self._high = -1  # highest capture order among live hand-outs (a bound)
-        self._stale: dict[int, tuple[StorageWeakRef, str, int]] = {}
-        self._state_slots: set[tuple[str, int]] = set()  # (graph, output position)
-        self._returned: dict[str, int] = {}  # graph -> the step its last call returned in
-        self.invalidated = 0  # hand-outs invalidated while referenced, in all
-        self.moved = 0  # hand-outs moved to memory of their own (graph freed, or model state)
+        self._stale: dict[int, tuple[StorageWeakRef, str]] = {}
+        self.state_slots: set[tuple[str, int]] = set()
+        self.invalidated = 0
+        self.moved = 0
+
+    def owns_copy(self, graph_id: str, slot: int) -> bool:
+        """Whether output ``slot`` of ``graph_id`` is handed out as memory of its own (a clone):
+        the model's state, where this torch can neither move it out of the pool later nor
+        let it be invalidated (the model reads it back)."""
+        return not _CAN_SWAP and (graph_id, slot) in self.state_slots
 
     def hand_out(
         self,
@@ -150,15 +150,9 @@ class OutputLedger:
                 ptr, value.device, source.nbytes()
             )
             ref = StorageWeakRef(storage)
-            state = (graph_id, slot) in self._state_slots
-            self._live[ref.cdata] = _HandOut(order, step, ref, graph_id, ptr, slot, state)
+            self._live[ref.cdata] = _HandOut(order, step, ref, graph_id, ptr, slot)
             if order > self._high:
                 self._high = order
-        elif (graph_id, slot) in self._state_slots:
-            # another output over this storage came first: the state lives in it all the same
-            handed = self._live.get(storage._cdata)
-            if handed is not None:
-                handed.state = True
         return view_over(storage, value)
 
     def live_refs(self) -> list[StorageWeakRef]:
@@ -176,29 +170,13 @@ class OutputLedger:
             return None
         return found
 
-    def keep_as_state(self, tensor: torch.Tensor, graph_id: str, slot: int) -> None:
-        """``tensor``, output ``slot`` of ``graph_id``, came back as a parameter or buffer the
-        model rebinds (``self.t = <output>``): what that graph hands out at that position is
-        the model's state, read at its next call, maybe after replays of other graphs (two
-        instances of one module, two models on one backend). Such a hand-out is moved to
-        memory of its own before a replay overwrites it, not invalidated: a copy of the state
-        where eager would have kept it (none where the model reads it back first)."""
-        handed = self.handed_out(tensor)
-        if handed is not None:
-            handed.state = True
-        self.state_slot(graph_id, slot)
-
-    def state_slot(self, graph_id: str, slot: int) -> None:
-        """What ``graph_id`` hands out at position ``slot`` is the model's state (known from
-        Dynamo's side effects at compile time, or from :meth:`keep_as_state`)."""
-        if (graph_id, slot) in self._state_slots:
-            return
-        self._state_slots.add((graph_id, slot))
-        # what that position handed out before it was known is state too (another instance's,
-        # handed out by an earlier call: a replay before that instance's next call overwrites it)
-        for other in self._live.values():
-            if other.graph_id == graph_id and other.slot == slot:
-                other.state = True
+    def keep_as_state(self, graph_id: str, slot: int) -> None:
+        """What ``graph_id`` hands out at position ``slot`` is the model's state, read back at
+        its next call (known from Dynamo's side effects at compile time, or found when it came
+        back as a parameter or buffer the model rebinds, ``self.t = <output>``): where this
+        torch cannot move a storage, it is handed out as memory of its own
+        (:meth:`owns_copy`)."""
+        self.state_slots.add((graph_id, slot))
 
     def adopt(self, tensor: torch.Tensor) -> None:
         """Forget ``tensor``'s hand-out: the runtime took its memory over for this call."""
@@ -226,9 +204,10 @@ class OutputLedger:
         self.moved += 1
         move_out(cdata)
 
-    def before_write(self, order: int, step: int) -> None:
-        """A graph of capture order ``order`` is about to write the pool: invalidate every live
-        hand-out it may overwrite (written by a graph of order ``order`` or later)."""
+    def before_write(self, order: int) -> None:
+        """A graph of capture order ``order`` is about to write the pool: every live hand-out
+        it may overwrite (written by a graph of order ``order`` or later) leaves the pool
+        (:meth:`_leave`)."""
         if order > self._high:
             return
         high = -1
@@ -237,44 +216,44 @@ class OutputLedger:
                 del self._live[cdata]
             elif handed.order >= order:
                 del self._live[cdata]
-                self._overwritten(handed, step)
+                self._leave(handed)
             elif handed.order > high:
                 high = handed.order
         self._high = high
 
-    def before_copy(self, ptr: int, step: int) -> None:
+    def before_copy(self, ptr: int) -> None:
         """A copy outside any replay is about to write the memory at ``ptr`` (an earlier
-        piece's output buffer, refilled after that piece ran uncaptured): invalidate the live
-        hand-outs over it, and the loans eager ops kept."""
+        piece's output buffer, refilled after that piece ran uncaptured): the live hand-outs over
+        it leave the pool (:meth:`_leave`), and so do the loans eager ops kept."""
         self.loans.before_copy(ptr)
         for cdata, handed in list(self._live.items()):
             if handed.ptr == ptr:
                 del self._live[cdata]
                 if not handed.ref.expired():
-                    self._overwritten(handed, step)
+                    self._leave(handed)
 
-    def release_order(self, order: int, step: int) -> None:
+    def release_order(self, order: int) -> None:
         """The graph of capture order ``order`` is being freed: its live hand-outs move to
-        memory of their own (:meth:`_release`), as do its loans eager ops kept."""
+        memory of their own (:meth:`_leave`), as do its loans eager ops kept."""
         self.loans.release(order)
         for cdata, handed in list(self._live.items()):
             if handed.order == order:
                 del self._live[cdata]
                 if not handed.ref.expired():
-                    self._release(handed, step)
+                    self._leave(handed)
 
-    def release_all(self, step: int) -> None:
+    def release_all(self) -> None:
         """The pool's memory is being released: every live hand-out moves to memory of its own
-        (:meth:`_release`), as does every loan an eager op kept."""
+        (:meth:`_leave`), as does every loan an eager op kept."""
         self.loans.release()
         for handed in self._live.values():
             if not handed.ref.expired():
-                self._release(handed, step)
+                self._leave(handed)
         self._live.clear()
         self._high = -1
 
     def check_inputs(self, args, graph_id: str) -> None:
-        """Raise if an argument is an invalidated output.
+        """Raise if an argument is an invalidated output (torch 2.11: see the module docstring).
 
         Raises:
             StaleOutputError: naming the graph that produced it and what to do.
@@ -290,50 +269,17 @@ class OutputLedger:
                         f"{stale_message(hit[1])}; it was handed to {graph_id} as an input"
                     )
 
-    def returned(self, graph_id: str, step: int) -> None:
-        """A call of ``graph_id`` in ``step`` returned: the caller has rebound what it keeps of
-        the graph's earlier outputs (see :meth:`held_stale`)."""
-        self._returned[graph_id] = step
-
-    def held_stale(self) -> list[str]:
-        """Graphs whose invalidated outputs are still referenced after a later call of the
-        graph returned (forgets the dead ones). Held before that is no sign of keeping: in
-        ``logits = model(x)`` the old logits are bound while the call that overwrites them
-        runs, and in ``h = a(x); o = b(h)`` the old ``o``, which ``a``'s replay overwrites, is
-        bound until ``b`` returns."""
-        held = []
-        returned = self._returned
-        for cdata, (ref, graph_id, step) in list(self._stale.items()):
-            if ref.expired():
-                del self._stale[cdata]
-            elif returned.get(graph_id, -1) >= step:
-                held.append(graph_id)
-        return held
-
-    def _overwritten(self, handed: _HandOut, step: int) -> None:
-        """A write is about to reuse ``handed``'s memory: the model's state moves (where this
-        torch can move a storage), anything else is invalidated."""
-        if handed.state and may_move():
-            self.moved += 1
-            move_out(handed.ref.cdata)
-        else:
-            self._invalidate(handed, step)
-
-    def _release(self, handed: _HandOut, step: int) -> None:
-        """Its graph is freed, so no replay will write it: where this torch can move a
-        storage, its values move to memory of their own and it stays readable (a model's state
-        rebound to an output survives a reset, as in eager); else it is invalidated."""
+    def _leave(self, handed: _HandOut) -> None:
+        """A write is about to reuse ``handed``'s memory, or its graph is freed: it moves to
+        memory of its own with its values; where this torch cannot move a storage (2.11), or a
+        CUDA capture is under way on this thread (a collected backend's finalizer), it is
+        invalidated (a read raises where torch has the hook)."""
+        cdata = handed.ref.cdata
         if may_move():
             self.moved += 1
-            move_out(handed.ref.cdata)
-        else:
-            self._invalidate(handed, step)
-
-    def _invalidate(self, handed: _HandOut, step: int) -> None:
-        self.invalidated += 1
-        cdata = handed.ref.cdata
-        if self.poison:
-            _POISON(cdata, stale_message(handed.graph_id))
-        else:
             move_out(cdata)
-        self._stale[cdata] = (handed.ref, handed.graph_id, step)
+            return
+        self.invalidated += 1
+        if _POISON is not None:
+            _POISON(cdata, stale_message(handed.graph_id))
+        self._stale[cdata] = (handed.ref, handed.graph_id)

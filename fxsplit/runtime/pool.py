@@ -56,7 +56,7 @@ class MemoryPool:
         self.device = device
         self.cuda = DeviceCapture(device) if mode == "cuda" else None
         self.emulated = EmulatedPool(device) if mode == "emulate" else None
-        self.ledger = OutputLedger(poison=mode == "cuda")
+        self.ledger = OutputLedger()
         self.owners: dict[int, int] = {}
         self.high = -1
         self.step = 0
@@ -86,9 +86,9 @@ class MemoryPool:
         return order >= self.high
 
     def before_replay(self, order: int) -> None:
-        """Invalidate what the replay of a graph of capture order ``order`` may overwrite, and
-        make it the step's highest."""
-        self.ledger.before_write(order, self.step)
+        """Move out of the pool the held outputs the replay of a graph of capture order
+        ``order`` may overwrite, and make it the step's highest."""
+        self.ledger.before_write(order)
         self.high = order
 
     def begin_step(self, step: int) -> None:

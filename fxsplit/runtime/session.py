@@ -50,7 +50,6 @@ class CaptureSession:
         self.pools: dict[tuple[str, torch.device], MemoryPool] = {}
         self._called: set[int] = set()  # graphs called in this step
         self._calls = 0  # graph calls under way (more than one: a call inside another's)
-        self._warned_held = False
         self._warned_kept: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # held by the thread inside a call (own / disown)
         self._owner: int | None = None
@@ -102,8 +101,6 @@ class CaptureSession:
             self._called.clear()
             for pool in self.pools.values():
                 pool.begin_step(self.step)
-                if not pool.ledger.poison and not self._warned_held:
-                    self._warn_held(pool)
                 for kept in pool.ledger.loans.settle():
                     self.warn_kept(*kept)
         self._called.add(id(graph))
@@ -111,18 +108,6 @@ class CaptureSession:
     def end_call(self) -> None:
         """The call :meth:`begin_call` began returned or raised."""
         self._calls -= 1
-
-    def _warn_held(self, pool: MemoryPool) -> None:
-        held = pool.ledger.held_stale()
-        if held:
-            self._warned_held = True
-            warn_at_caller(
-                f"fxsplit {held[0]}: an output of an earlier call is still held after a later "
-                "replay reused its memory. Under capture='emulate' its values were kept by a "
-                "copy; on CUDA, reading it raises. Clone outputs you keep across "
-                "calls (out.clone()), or compile with options={'clone_outputs': True}",
-                FxsplitRuntimeWarning,
-            )
 
     def warn_kept(self, graph_id: str, piece: str) -> None:
         """Warn once per piece that an output lent to eager code is still referenced after its
@@ -145,7 +130,7 @@ class CaptureSession:
         :meth:`~fxsplit.runtime.output_lifetime.OutputLedger.release_all`. Its pools and what
         its graphs returned leave the process-wide record: other backends stop asking them."""
         for pool in self.pools.values():
-            pool.ledger.release_all(self.step)
+            pool.ledger.release_all()
             provenance.RECORD.drop_pool(pool)
         provenance.RECORD.close(self)
 
