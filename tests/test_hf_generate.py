@@ -74,3 +74,23 @@ def test_compiling_the_model_object_leaves_generate_uncompiled(model_and_tokens)
         got = compiled.generate(prompt, cache=_cache(model), **GENERATE)
     assert torch.equal(got, want)
     assert backend.plans == [] and counters.snapshot()["graphs"] == 0
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_static_cache_made_in_the_compiled_prefill_is_right_on_every_generate(
+    model_and_tokens, runner
+):
+    """``forward`` compiled (the README's way 1) with a new StaticCache per ``generate()``: the
+    cache's tensors are made lazily inside the compiled prefill, so once the prefill is captured
+    they are outputs of its graph, stored on the cache object by Dynamo. On torch 2.11 (no
+    storage moves) they were handed out over pool memory and poisoned at the first decode step:
+    the second ``generate()`` raised (first seen on an H200)."""
+    model, prompt, want = model_and_tokens
+    model = copy.deepcopy(model)
+    backend = fxsplit.Backend(**{**OPTIONS, "runner": runner})
+    model.forward = torch.compile(model.forward, backend=backend)
+    with torch.no_grad():
+        for call in range(3):
+            got = model.generate(prompt, cache=_cache(model), **GENERATE)
+            assert torch.equal(got, want), call
+    assert counters.snapshot()["replays"] > 0
