@@ -162,7 +162,7 @@ print(f'torch {torch.__version__}, {runtime}, {device}')
 optional = ('tqdm', 'rich', 'hypothesis', 'expecttest', 'transformers', 'triton', 'pytest_timeout')
 print('optional packages present:', *(m for m in optional if importlib.util.find_spec(m)))
 "
-tests=(-m pytest -q -p no:cacheprovider -m cuda tests/test_runtime_cuda.py -rfEsp)
+tests=(-m pytest -q -p no:cacheprovider -m cuda tests/test_runtime_devices.py -rfEsp)
 if grep -qs 'optional packages present:.* pytest_timeout' "$out/device.log"; then
     tests+=(--timeout "$TEST_TIMEOUT")
 fi

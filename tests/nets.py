@@ -22,7 +22,7 @@ class RegionMlp(nn.Module):
 
     Compiled with ``eager_regions=[region]`` it plans three pieces, captured, eager, captured:
     the smallest program in which a captured piece reads an eager piece's output and another
-    captured piece's output feeds the eager piece (tests/test_runtime.py, test_runtime_cuda.py,
+    captured piece's output feeds the eager piece (tests/test_runtime.py, test_runtime_devices.py,
     test_field_cases.py). Weights come from torch's global generator: seed it before building
     to get the same weights twice. Subclasses change :meth:`mid` to change what the eager
     region computes.
@@ -53,7 +53,7 @@ class KeyFree(nn.Module):
     Three pieces: piece_0 (``x.T @ x``) is keyed by the batch size; piece_2 reads only the
     weight and the eager value of static shape ``[width, width]``, so its capture key is empty
     and one graph serves every batch size. Its scratch holds two ``[width, width]`` blocks at
-    once (tests/test_pool.py: pool placement; test_runtime_cuda.py: a piece captured out of
+    once (tests/test_pool.py: pool placement; test_runtime_devices.py: a piece captured out of
     capture order).
     """
 

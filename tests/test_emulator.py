@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.emulator import (
+    LEFT_CAPTURING,
     CaptureError,
     EmulatedGraph,
     HostValueChangedError,
@@ -433,6 +434,58 @@ def test_random_ops_draw_fresh_numbers():
     first = out.clone()
     g.replay()
     assert not torch.equal(out, first)
+
+
+def test_a_failed_capture_leaves_the_default_generator_capturing_as_cuda_does():
+    """torch 2.11's CUDA ``capture_end`` raises before the generator's capture epilogue: the
+    default generator still counts itself as capturing, and every draw from it outside a
+    capture raises until a capture completes or its state is closed. Other generators draw."""
+    x = torch.ones(4)
+    g = EmulatedGraph()
+    with pytest.raises(CaptureError):
+        g.capture(lambda t: t * t.sum().item(), x)
+    with pytest.raises(RuntimeError, match=LEFT_CAPTURING):
+        torch.randn(3)
+    assert torch.rand(3, generator=torch.Generator().manual_seed(0)).shape == (3,)
+    g.close_capture_state()
+    torch.manual_seed(3)
+    drawn = torch.randn(3)
+    torch.manual_seed(3)
+    assert torch.equal(torch.randn(3), drawn)
+
+
+def test_a_completed_capture_ends_the_generators_capture_state():
+    x = torch.ones(4)
+    with pytest.raises(CaptureError):
+        EmulatedGraph().capture(lambda t: t * t.sum().item(), x)
+    out = EmulatedGraph().capture(lambda t: t + torch.rand_like(t), x)  # draws inside: fine
+    assert out.shape == (4,) and torch.randn(2).shape == (2,)
+
+
+def test_a_generator_other_than_the_default_one_must_be_registered():
+    """As ``CUDAGraph.register_generator_state``: a capture drawing from a generator it was
+    not given fails; one it was given advances on every replay."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.zeros(8)
+    with pytest.raises(CaptureError, match="register_generator_state"):
+        EmulatedGraph().capture(lambda t: t + torch.rand(8, generator=generator), x)
+    g = EmulatedGraph(generators=(generator,))
+    out = g.capture(lambda t: t + torch.rand(8, generator=generator), x)
+    first = out.clone()
+    g.replay()
+    assert not torch.equal(out, first)
+
+
+def test_a_record_without_a_kernel_is_empty():
+    """Views, ``empty`` allocations and metadata changes launch no kernel: CUDA warns "The
+    CUDA Graph is empty" for such a capture, and the emulator says so."""
+    x = torch.ones(2, 3)
+    g = EmulatedGraph()
+    g.capture(lambda t: (t.t()[1:], torch.empty_like(t).view(-1)), x)
+    assert g.captured and g.empty
+    h = EmulatedGraph()
+    h.capture(lambda t: t.t() * 2, x)
+    assert not h.empty
 
 
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference"])

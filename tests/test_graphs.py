@@ -1,7 +1,7 @@
 """What fxsplit does around CUDA graph capture, tested on CPU: the decisions of
 :mod:`fxsplit.runtime.graphs` (which pool, which stream, what happens after a failed capture or a
 reset) with torch.cuda's objects replaced by recorders. The CUDA tests in
-``tests/test_runtime_cuda.py`` check the same on a real device.
+``tests/test_runtime_devices.py`` check the same on a real device.
 """
 
 from __future__ import annotations

@@ -16,9 +16,18 @@ from fxsplit.runtime.entry import Check, Entry, OutputView, Written, flat
 from fxsplit.runtime.static_buffers import AliasGuard, OwnBuffer
 from fxsplit.runtime.storage import storage_ptr
 
-__all__ = ["analyse", "capture", "never_captured"]
+__all__ = ["NO_KERNEL", "NoKernel", "analyse", "capture", "never_captured"]
 
 _OWN, _ADDRESS, _PINNED = Bind.OWN, Bind.ADDRESS, Bind.PINNED
+
+NO_KERNEL = "it launches no kernel (views and allocations only): it runs as its Python"
+
+
+class NoKernel(Exception):
+    """The capture recorded no kernel (a piece of views and ``empty`` allocations only): a
+    replay would do nothing that the piece's Python does not do without copying its inputs,
+    and CUDA warns about an empty graph."""
+
 
 
 def capture(piece, key, inputs) -> Entry:
@@ -27,8 +36,10 @@ def capture(piece, key, inputs) -> Entry:
     Raises:
         Refused: this call's inputs share storage in a way the static buffers cannot keep,
             or a compiled piece's legality could not be checked.
+        NoKernel: the capture recorded no kernel (dropped).
         CaptureError / RuntimeError: an op illegal under capture, or outputs that require
-            grad. Nothing the piece writes is left changed by a failed capture.
+            grad. Nothing the piece writes is left changed by a failed capture, and the device's
+            generators are left as they were (``close_capture_state``).
     """
     context = piece.context
     if piece.aliasing.deferred:
@@ -68,7 +79,11 @@ def capture(piece, key, inputs) -> Entry:
         )
     except BaseException:
         graph.reset()
+        graph.close_capture_state()
         raise
+    if graph.empty:
+        graph.reset()
+        raise NoKernel(NO_KERNEL)
     order = pool.next_order()
     bases = _output_bases(piece, outputs, statics)
     views = _views(piece, outputs, statics, binds, bases)

@@ -23,7 +23,7 @@ from fxsplit import counters
 from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.binding import Bind, BindingError, InputSpec, Refused
-from fxsplit.runtime.capture import capture, never_captured
+from fxsplit.runtime.capture import NO_KERNEL, NoKernel, capture, never_captured
 from fxsplit.runtime.entry import Entry, bound_function, flat, key_function, rebuild
 from fxsplit.runtime.replay_watch import Watch
 from fxsplit.runtime.stats import PieceStats
@@ -115,7 +115,8 @@ class CapturedPiece(torch.nn.Module):
         if not context.capture_step:
             return self._uncaptured(inputs, None)
         if self.failed is not None:
-            self._refuse(self.failed)
+            if self.failed is not NO_KERNEL:
+                self._refuse(self.failed)
             return self._uncaptured(inputs, None)
         key = self.key(inputs)
         entry = self.entries.get(key)
@@ -162,7 +163,7 @@ class CapturedPiece(torch.nn.Module):
             region = buffer.region
             if buffer.pooled:  # the earlier piece ran uncaptured: refill its output's memory
                 pool = self.context.pool
-                pool.ledger.before_copy(storage_ptr(static), pool.step)
+                pool.ledger.before_copy(storage_ptr(static))
             if region is None:
                 static.copy_(value)
             elif value.stride() == static.stride():
@@ -294,6 +295,10 @@ class CapturedPiece(torch.nn.Module):
         except Refused as why:
             self._refuse(str(why))
             return self._uncaptured(inputs, key)
+        except NoKernel:
+            self.failed = NO_KERNEL
+            log.info("fxsplit %s: %s %s", context.graph_id, self.name, NO_KERNEL)
+            return self._uncaptured(inputs, key)
         except Exception as error:
             # A failed capture leaves nothing behind (see _capture). Running the piece uncaptured
             # tells a model error (it raises again, unchanged, and capture stays on for the next
@@ -351,7 +356,7 @@ class CapturedPiece(torch.nn.Module):
         for ident, ptr in entry.owned:
             context.static_outputs.pop(ident, None)
             context.pool.owners.pop(ptr, None)
-        context.pool.ledger.release_order(entry.order, context.pool.step)
+        context.pool.ledger.release_order(entry.order)
         entry.graph.reset()
 
     def _moved(self, i: int, value, ptr: int, bind) -> Exception:

@@ -42,12 +42,14 @@ from fxsplit.runtime.emulated_pool import EmulatedPool
 from fxsplit.runtime.storage import storage_ptr
 
 __all__ = [
+    "LEFT_CAPTURING",
     "CaptureError",
     "EmulatedGraph",
     "HostValueChangedError",
     "MovedMemoryError",
     "StateMovedError",
     "call_opaque",
+    "close_capture_state",
     "is_host_handle",
 ]
 
@@ -65,7 +67,11 @@ class CaptureError(RuntimeError):
     def __init__(self, op: str, reason: str) -> None:
         self.op = op
         self.reason = reason
-        super().__init__(f"{op} is illegal during CUDA graph capture: {reason}")
+        # ends with CUDA's own words (cudaErrorStreamCaptureUnsupported), as a GPU reports it
+        super().__init__(
+            f"{op} is illegal during CUDA graph capture: {reason} (CUDA: operation not "
+            "permitted when stream is capturing)"
+        )
 
 
 class MovedMemoryError(RuntimeError):
@@ -155,6 +161,23 @@ def _callable(func: Any) -> Callable:
 
 
 _tls = threading.local()
+_left_capturing: TorchDispatchMode | None = None  # see _LeftCapturing
+
+
+def close_capture_state() -> None:
+    """Close the capture state a failed capture left the default generator in
+    (:class:`_LeftCapturing`), so that draws outside a capture work again: what a completed
+    capture does, and what fxsplit's recovery does on CUDA with an empty capture. A no-op where
+    nothing was left."""
+    global _left_capturing
+    if _left_capturing is None:
+        return
+    depth = torch._C._len_torch_dispatch_stack()
+    stack = [torch._C._pop_torch_dispatch_stack(None) for _ in range(depth)]
+    for mode in reversed(stack):
+        if mode is not _left_capturing:
+            torch._C._push_on_torch_dispatch_stack(mode)
+    _left_capturing = None
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 _SCALAR_READS = frozenset({aten.item.default, aten._local_scalar_dense.default})
 
@@ -460,7 +483,9 @@ class _Recorder(TorchDispatchMode):
             if touched:
                 return self._record(func, args, kwargs, out, _ReadsState(self.graph, func, touched))
         else:
-            bad = _illegal_op(func, args, kwargs)
+            bad = _illegal_op(func, args, kwargs) or _unregistered_generator(
+                self.graph, func, args, kwargs
+            )
             if bad is not None:
                 self.graph._fail(*bad)
             before = set(self.graph._made_by_kernels)
@@ -714,6 +739,59 @@ def _patched_syncs() -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------------
+# Generators under capture
+# --------------------------------------------------------------------------------------------
+
+LEFT_CAPTURING = "Offset increment outside graph capture encountered unexpectedly."
+
+
+def _generator_of(func: Any, args: tuple, kwargs: dict) -> torch.Generator | None:
+    """The generator a random op draws from, or None for the default one."""
+    generator = kwargs.get("generator")
+    if generator is None:
+        generator = next((a for a in args if isinstance(a, torch.Generator)), None)
+    # the dispatcher hands a new Python object over the same generator: compare the generators
+    if generator is None or generator._cdata == torch.default_generator._cdata:
+        return None
+    return generator
+
+
+def _unregistered_generator(graph: EmulatedGraph, func: Any, args: tuple, kwargs: dict):
+    """``(op, reason)`` where a random op draws from a generator other than the default one
+    that the graph was not given (:class:`EmulatedGraph`'s ``generators``), as CUDA capture
+    refuses it; else None."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return None
+    generator = _generator_of(func, args, kwargs)
+    if generator is None or any(generator._cdata == g._cdata for g in graph.generators):
+        return None
+    return (
+        _op_name(func),
+        "it draws from a generator other than the default one that is not registered with "
+        "the graph (CUDAGraph.register_generator_state); a replay would not advance it",
+    )
+
+
+class _LeftCapturing(TorchDispatchMode):
+    """The default generator as a failed capture leaves it on torch 2.11's CUDA: its
+    ``capture_end`` raised before the generator's capture epilogue ran, so the generator still
+    counts itself as capturing, and every later draw from it outside a capture raises
+    (:data:`LEFT_CAPTURING`) until a capture completes or its capture state is closed
+    (:func:`close_capture_state`, what fxsplit does after every failed capture; on CUDA an
+    empty capture completing does it)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (
+            torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+            and getattr(_tls, "active", None) is None  # a draw inside a capture is one
+            and _generator_of(func, args, kwargs) is None
+        ):
+            raise RuntimeError(LEFT_CAPTURING)
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
 # The graph
 # --------------------------------------------------------------------------------------------
 
@@ -807,8 +885,9 @@ class EmulatedGraph:
       record already holds the autocast casts).
     """
 
-    def __init__(self, pool: EmulatedPool | None = None) -> None:
+    def __init__(self, pool: EmulatedPool | None = None, generators=()) -> None:
         self.pool = pool if pool is not None else EmulatedPool()
+        self.generators = tuple(generators)
         self.label: str | None = None  # what it captures, in leak reports (Block.made_by)
         self._steps: tuple[tuple, ...] | None = None
         self._actions: tuple[tuple[str, str], ...] = ()
@@ -856,6 +935,7 @@ class EmulatedGraph:
             with _patched_syncs(), _HostReadGuard(self), recorder:
                 result = fn(*args, **kwargs)
         except BaseException as exc:
+            self._leave_capturing()
             if self._error is not None and exc is not self._error:
                 err, self._error = self._error, None
                 try:
@@ -869,12 +949,14 @@ class EmulatedGraph:
             self._recorder = None
             self.pool.capture_end()
         if self._error is not None:
+            self._leave_capturing()
             err, self._error = self._error, None
             raise CaptureError(
                 err.op,
                 f"{err.reason} (the error was caught inside the captured function, but "
                 "CUDA invalidates the capture anyway)",
             ) from err
+        close_capture_state()  # a completed capture ends the generator's capture
         self._steps = tuple(recorder.steps)
         self._actions = tuple(recorder.actions)
         self._addresses = _addresses(self._steps)
@@ -925,6 +1007,18 @@ class EmulatedGraph:
         finally:
             self._undo = None
         return outputs
+
+    def _leave_capturing(self) -> None:
+        """A capture failed: the default generator stays capturing, as on CUDA
+        (:class:`_LeftCapturing`)."""
+        global _left_capturing
+        if _left_capturing is None:
+            _left_capturing = _LeftCapturing()
+            torch._C._push_on_torch_dispatch_stack(_left_capturing)
+
+    def close_capture_state(self) -> None:
+        """After a failed capture: :func:`close_capture_state`."""
+        close_capture_state()
 
     def _save_before_write(self, tensor: torch.Tensor) -> None:
         """Keep ``tensor``'s values (a view a custom op's kernel is about to write outside its
@@ -1069,6 +1163,12 @@ class EmulatedGraph:
         """``(op name, action)`` per recorded op, in order; action is one of ``"run+copy"``,
         ``"run"``, ``"restore"``, ``"skip:view"``, ``"skip:alloc"``, ``"skip:metadata"``."""
         return self._actions
+
+    @property
+    def empty(self) -> bool:
+        """True when the record holds no kernel (views, allocations and metadata changes
+        only): CUDA warns "The CUDA Graph is empty" for such a capture."""
+        return self._steps is not None and not self._steps
 
     @property
     def captured(self) -> bool:

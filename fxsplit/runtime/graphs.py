@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 
 import torch
 
@@ -56,7 +57,9 @@ class DeviceCapture:
         index = self.device.index if self.device.index is not None else 0
         with torch.cuda.device(index):
             self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(self.stream), warnings.catch_warnings():
+                # empty on purpose: torch's "The CUDA Graph is empty" is not the user's to see
+                warnings.filterwarnings("ignore", _EMPTY)
                 keeper.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 keeper.capture_end()
         self._keeper = keeper
@@ -67,6 +70,10 @@ class DeviceCapture:
         self._keeper = None
         self.renewals += 1
         log.info("fxsplit: new capture memory pool on %s (%s)", self.device, reason)
+
+
+# torch's warning at capture_end for a graph without a kernel (CUDAGraph.cpp)
+_EMPTY = "The CUDA Graph is empty"
 
 
 def _clear_cublas_workspaces() -> None:
@@ -107,8 +114,10 @@ class CudaGraph:
         self._graph = torch.cuda.CUDAGraph()
         self._capture = capture
         self._index = capture.device.index if capture.device.index is not None else 0
-        for generator in generators:
+        self._generators = tuple(generators)
+        for generator in self._generators:
             self._graph.register_generator_state(generator)
+        self.empty = False  # captured no kernel
 
     def capture(self, fn, *args):
         """Capture ``fn(*args)`` and replay it once so the outputs hold this call's result.
@@ -133,10 +142,19 @@ class CudaGraph:
                     self._abandon(pool, ended=False)
                     raise
                 try:
-                    self._graph.capture_end()
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        self._graph.capture_end()
                 except BaseException:
                     self._abandon(pool, ended=True)
                     raise
+                for warning in caught:
+                    if _EMPTY in str(warning.message):
+                        self.empty = True  # known, not shown: the piece runs as its Python
+                    else:
+                        warnings.warn_explicit(
+                            warning.message, warning.category, warning.filename, warning.lineno
+                        )
                 _clear_cublas_workspaces()
             current.wait_stream(shared.stream)
             self._graph.replay()
@@ -166,6 +184,26 @@ class CudaGraph:
             self._graph.reset()
         self._capture.renew("a capture failed")
 
+    def close_capture_state(self) -> None:
+        """After a failed capture: close the capture state it left the device's generators in.
+        torch 2.11's ``capture_end`` raises before the generators' capture epilogue runs, so
+        the default CUDA generator (and those registered) still count themselves as capturing,
+        and every later draw outside a capture raises "Offset increment outside graph capture
+        encountered unexpectedly" until a capture completes: an empty one completes here, on
+        the capture stream, into a pool of its own (freed with it)."""
+        closer = torch.cuda.CUDAGraph()
+        for generator in self._generators:
+            closer.register_generator_state(generator)
+        shared = self._capture
+        with torch.cuda.device(self._index):
+            shared.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(shared.stream), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", _EMPTY)
+                closer.capture_begin(capture_error_mode="thread_local")
+                closer.capture_end()
+            torch.cuda.current_stream().wait_stream(shared.stream)
+        closer.reset()
+
     def replay(self) -> None:
         """Launch the graph on the current stream (under a guard for another device)."""
         if torch.cuda.current_device() == self._index:
@@ -185,9 +223,9 @@ def new_graph(
     pool: EmulatedPool | None = None,
     generators=(),
 ):
-    """A fresh graph object for capture mode ``"cuda"`` (needs ``capture``; registers
-    ``generators``) or ``"emulate"`` (into ``pool``, a private one when None; a CPU generator
-    needs no registration)."""
+    """A fresh graph object for capture mode ``"cuda"`` (needs ``capture``) or ``"emulate"``
+    (into ``pool``, a private one when None); either registers ``generators``, the generators
+    other than the default one that the piece draws from."""
     if mode == "cuda":
         return CudaGraph(capture, generators)
-    return EmulatedGraph(pool)
+    return EmulatedGraph(pool, generators)
