@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import warnings
 from typing import ClassVar
 
 import pytest
@@ -29,10 +30,12 @@ class _Stream:
 
 class _Graph:
     """Records what a torch.cuda.CUDAGraph is asked to do; ``fail_end`` makes capture_end raise
-    like an invalidated capture."""
+    like an invalidated capture; a capture whose function ran no kernel (``kernels`` left 0)
+    warns at capture_end as CUDAGraph.cpp does."""
 
     made: ClassVar[list[_Graph]] = []
     fail_end = False
+    kernels = 0  # kernels launched into the graph being captured (a function sets it)
 
     def __init__(self):
         self.calls: list[tuple] = []
@@ -45,6 +48,14 @@ class _Graph:
         self.calls.append(("end",))
         if _Graph.fail_end:
             raise RuntimeError("operation failed due to a previous error during capture")
+        if not _Graph.kernels:
+            warnings.warn(
+                "The CUDA Graph is empty. This usually means that the graph was attempted to be "
+                "captured on wrong device or stream.",
+                UserWarning,
+                stacklevel=2,
+            )
+        _Graph.kernels = 0
 
     def replay(self):
         self.calls.append(("replay",))
@@ -63,6 +74,7 @@ def fake_cuda(monkeypatch):
     current = _Stream()
     _Graph.made.clear()
     _Graph.fail_end = False
+    _Graph.kernels = 0
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", next(pools)))
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
@@ -182,3 +194,60 @@ def test_reset_of_captured_graphs_takes_a_fresh_pool(fake_cuda, monkeypatch):
     assert shared.pool != pool and shared.renewals == 1
     assert runtime.reset() == 0 and shared.renewals == 1  # nothing dropped: pool kept
     torch._dynamo.reset()
+
+
+def _kernel():
+    _Graph.kernels += 1
+    return "out"
+
+
+def test_no_empty_graph_warning_reaches_the_user_and_an_empty_capture_is_known(fake_cuda):
+    """torch warns "The CUDA Graph is empty" at capture_end for a graph without a kernel: the
+    pool's keeper (empty on purpose) must not show it, and a piece's capture that launched no
+    kernel is known as such (its piece then runs as its Python), never shown either."""
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        working = graphs.CudaGraph(shared)
+        assert working.capture(_kernel) == "out" and not working.empty
+        views = graphs.CudaGraph(shared)
+        views.capture(lambda: "views only")
+    assert views.empty
+
+
+def test_other_warnings_of_capture_end_still_reach_the_user(fake_cuda, monkeypatch):
+    def end(self):
+        self.calls.append(("end",))
+        warnings.warn("something else", UserWarning, stacklevel=2)
+
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    shared.keep_alive()
+    monkeypatch.setattr(_Graph, "capture_end", end)
+    with pytest.warns(UserWarning, match="something else"):
+        graphs.CudaGraph(shared).capture(_kernel)
+
+
+def test_closing_a_failed_captures_state_completes_an_empty_capture_of_its_generators(
+    fake_cuda,
+):
+    """torch 2.11 leaves the default CUDA generator (and those registered) capturing when
+    capture_end raises; a completed capture on the capture stream, with the same generators
+    registered, into a pool of its own, closes that state."""
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    generator = object()  # stands in for a torch.Generator(device="cuda")
+    graph = graphs.CudaGraph(shared, generators=[generator])
+    _Graph.fail_end = True
+    with pytest.raises(RuntimeError):
+        graph.capture(_kernel)
+    _Graph.fail_end = False
+    made = len(_Graph.made)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph.close_capture_state()
+    (closer,) = _Graph.made[made:]
+    assert closer.calls == [
+        ("register", generator),
+        ("begin", None, "thread_local"),
+        ("end",),
+        ("reset",),
+    ]

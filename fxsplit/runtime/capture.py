@@ -29,7 +29,6 @@ class NoKernel(Exception):
     and CUDA warns about an empty graph."""
 
 
-
 def capture(piece, key, inputs) -> Entry:
     """Capture ``key``; the returned entry's outputs hold this call's result.
 

@@ -178,6 +178,8 @@ def close_capture_state() -> None:
         if mode is not _left_capturing:
             torch._C._push_on_torch_dispatch_stack(mode)
     _left_capturing = None
+
+
 _BELOW_PYTHON = torch._C._dispatch_keyset_full_after(torch._C.DispatchKey.Python)
 _SCALAR_READS = frozenset({aten.item.default, aten._local_scalar_dense.default})
 

@@ -177,7 +177,9 @@ class CudaGraph:
     def _abandon(self, pool, ended: bool) -> None:
         """After a failed capture: end it, release the pool's recording, take a fresh pool."""
         if not ended:
-            with contextlib.suppress(RuntimeError):  # invalidated: its own error is secondary
+            # invalidated: its own error is secondary; not invalidated: maybe empty
+            with contextlib.suppress(RuntimeError), warnings.catch_warnings():
+                warnings.filterwarnings("ignore", _EMPTY)
                 self._graph.capture_end()
         _end_allocating(self._capture.device, pool)
         with contextlib.suppress(RuntimeError):
