@@ -11,6 +11,9 @@
 #   - bench/decode_latency.py measures tiny sizes under a budget with parts stopped at their
 #     time limit (SIGALRM through Dynamo and fxsplit), and still writes its table and JSON;
 #   - scripts/gpu_check.sh --dry-run: its time plan and decode_latency.py's add up;
+#   - the run time on this torch: the runtime, emulator, output-lifetime, exports, model-state
+#     and Hugging Face generate tests, with the test extras installed into a folder beside the
+#     venv (the checks above stay bare);
 #   - scripts/gpu_check.sh end to end: the CUDA tests skip, tp_nccl_check.py says it skipped,
 #     the latency part skips, the summary table is printed and the exit status is 0.
 # The first run downloads torch (about 3 GB, a few minutes); the venv is kept for later runs.
@@ -77,11 +80,42 @@ for expected in '^ms per decode step' 'fxsplit_eager batch 1: ran over its 0.1 s
     fi
 done
 
+# The run time on torch 2.11, its other end of the supported range: the runtime, emulator,
+# output-lifetime, exports, model-state and Hugging Face generate tests, with the test extras
+# installed into a folder of their own beside the bare venv (the checks above stay bare).
+extras="$venv.extras"
+if [ ! -d "$extras" ]; then
+    # pyproject's test and goldens extras but pytest (the venv has it) and ruff; no torch
+    mapfile -t wanted < <("$py" - <<'PY'
+import tomllib
+extras = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]
+deps = dict.fromkeys(extras["test"] + extras["goldens"])
+for dep in deps:
+    name = dep.split(">")[0].split("=")[0]
+    if name not in ("pytest", "ruff") and not (name == "transformers" and "==" not in dep):
+        print(dep)
+PY
+    )
+    if ! "$venv/bin/pip" install -q --target "$extras" "${wanted[@]}" rich tqdm graphviz \
+        >"$extras.log" 2>&1; then
+        cat "$extras.log" >&2
+        rm -rf "$extras"
+        exit 1
+    fi
+fi
+PYTHONPATH="$PWD:$extras" "$py" -m pytest -q -p no:cacheprovider tests/test_runtime.py \
+    tests/test_emulator.py tests/test_output_lifetime.py tests/test_exports.py \
+    tests/test_model_state.py tests/test_hf_generate.py tests/test_runtime_devices.py \
+    tests/test_graphs.py tests/test_pool.py tests/test_field_cases.py tests/test_ownership.py \
+    tests/test_capture_off.py tests/test_devices.py tests/test_refusals.py tests/test_dedup.py \
+    >"$venv.runtime.log" 2>&1 || { cat "$venv.runtime.log" >&2; exit 1; }
+echo "bare env check: torch $release's run time: $(tail -n 1 "$venv.runtime.log")"
+
 PYTHON="$py" bash scripts/gpu_check.sh --dry-run >"$scratch/plan.log" ||
     { cat "$scratch/plan.log" >&2; exit 1; }
 PYTHON="$py" OUT="$scratch" bash scripts/gpu_check.sh >"$scratch/gpu_check.log" 2>&1 ||
     { cat "$scratch/gpu_check.log" >&2; exit 1; }
-for expected in '^tests    exit 0' ' skipped in ' '^tp nccl  exit 0' '^latency  skipped'; do
+for expected in '^tests    exit 0' ' skipped' '^tp nccl  exit 0' '^latency  skipped'; do
     if ! grep -q "$expected" "$scratch/gpu_check/summary.txt"; then
         cat "$scratch/gpu_check.log" >&2
         echo "bare env check: the GPU check's summary lacks '$expected'" >&2
@@ -89,5 +123,5 @@ for expected in '^tests    exit 0' ' skipped in ' '^tp nccl  exit 0' '^latency  
     fi
 done
 grep -q 'needs a CUDA/ROCm device' "$scratch/gpu_check/tp_nccl.log"
-echo "bare env check: passed (collection, the compiled-piece tests, the scripts start, decode_latency.py under its time" \
-    "limits, gpu_check.sh's plan adds up and it runs through on CPU)"
+echo "bare env check: passed (collection, the compiled-piece tests, the run time's tests, the scripts start," \
+    "decode_latency.py under its time limits, gpu_check.sh's plan adds up and it runs through on CPU)"

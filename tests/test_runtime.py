@@ -35,6 +35,7 @@ from fxsplit.runtime.emulator import CaptureError
 from fxsplit.runtime.verify import VerifyError
 from tests.nets import RegionMlp
 from tests.replays import assert_replayed
+from tests.versions import needs_swap
 from tests.warned import warned_at
 
 _real_collect = gc.collect
@@ -615,6 +616,7 @@ def test_two_backends_share_no_stats():
     assert counters.snapshot()["replays"] == 8  # the process-wide view adds both
 
 
+@needs_swap
 def test_two_backends_see_each_others_memory_through_the_one_record():
     """Which memory fxsplit produced is one record for the process
     (:data:`fxsplit.runtime.provenance.RECORD`): an output of a model compiled with one backend
