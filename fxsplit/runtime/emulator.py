@@ -885,6 +885,22 @@ class EmulatedGraph:
     * Replay runs without autograd (under ``inference_mode``, which may write the inference
       tensors a piece made inside its own inference_mode block) and with autocast disabled (the
       record already holds the autocast casts).
+    * A failed capture leaves the default generator capturing as torch 2.11's CUDA does
+      (:class:`_LeftCapturing`: draws outside a capture raise until a capture completes or
+      :meth:`close_capture_state`), whatever this torch is: later torches keep generator state
+      per capture and leave nothing, and modelling the worse case makes a missing recovery
+      fail on every torch. A generator other than the default one must be registered
+      (``generators``) or the capture fails, as on CUDA.
+    * What stays different, and why it cannot be modelled on a CPU: warm-up runs and uncaptured
+      runs go to the current stream, where CUDA captures on a side stream (a CPU has no streams;
+      fxsplit captures on one stream per device, so only the emulator's ordering is simpler);
+      errors are :class:`CaptureError` where CUDA raises ``torch.AcceleratorError`` (the message
+      ends with CUDA's "operation not permitted when stream is capturing"); a failed capture's
+      blocks return to this pool, where CUDA ends the allocator's recording and fxsplit moves to
+      a fresh pool (the emulated pool has no recording state to leave behind); a kernel's
+      launch configuration and the cuBLAS algorithm a replay picks (the emulator re-runs the
+      same CPU kernels, so it replays bit for bit where CUDA may differ in the last bits); and
+      Python values a custom op's kernel reads (see the custom-op caveat above).
     """
 
     def __init__(self, pool: EmulatedPool | None = None, generators=()) -> None:
