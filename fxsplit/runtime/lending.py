@@ -15,8 +15,8 @@ step's values
 (``UntypedStorage._swap_data_ptr_``), so whatever kept it reads what eager's would, and the
 piece's later loans get a fresh storage. Nothing is counted per call: a loan is found kept from
 its storage's use count and its storage object's references, and a false alarm (a traceback
-holding a frame) costs one copy, never a wrong number. A loan exported to NumPy or DLPack, which
-keep its address, moves at once (:mod:`fxsplit.runtime.exports`).
+holding a frame) costs one copy, never a wrong number. A NumPy array or DLPack capsule an op
+makes of a loan keeps the pool's address, which no move reaches (docs/capture.md, "Exports").
 
 Where this torch cannot move a storage (2.11), a kept loan is invalidated as CUDA invalidates a
 handed-out output (a read raises) where the hook for that exists, else warned about.
@@ -185,22 +185,6 @@ class Loans:
         storage = loan.storage
         self._fill(loan)
         return storage
-
-    def export(self, cdata: int, ptr: int) -> tuple[str, str] | None:
-        """A tensor over the storage ``cdata`` (at address ``ptr``) is about to be exported to
-        NumPy or DLPack (:mod:`fxsplit.runtime.exports`), which keep its address: where that is
-        a loan's storage, it moves to memory of its own now, with its values, and the pool
-        tensors are lent anew. Returns ``(graph, piece)`` of a loan that cannot move on this
-        torch (left as it is), else None."""
-        loan = self._at.get(ptr) if self._at else None
-        if loan is None or cdata != loan.cdata:
-            return None
-        if not may_move():
-            return loan.graph_id, loan.piece
-        self.moved += 1
-        move_out(loan.cdata)
-        self._fill(loan)
-        return None
 
     def _give_up(self, loan: _Loan, refill: bool = True) -> bool:
         """The loan was kept: its storage leaves the pool (moved, or made to raise when read)

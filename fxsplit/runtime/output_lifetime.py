@@ -24,8 +24,10 @@ its state (an output Dynamo stores on an object or into a module's buffers, or o
 as a rebound buffer) is handed out as memory of its own from the start: the model reads it back
 at its next call, after replays that would invalidate it.
 
-An output exported to NumPy or DLPack, which keep its address, moves at once
-(:mod:`fxsplit.runtime.exports`).
+A NumPy array or a DLPack capsule made from a hand-out keeps its address, not its storage: no
+move reaches it, so it holds the output's values until that memory is next written (a later
+replay), as cudagraph trees' outputs do. fxsplit patches nothing in torch to see exports; export
+a clone to keep one (docs/capture.md, "Exports").
 
 A captured piece's output that an eager piece of the same graph reads is lent to it
 (:mod:`fxsplit.runtime.lending`): a loan an eager op keeps moves out of the pool before the next
@@ -77,15 +79,6 @@ def stale_message(graph_id: str) -> str:
         "has overwritten (captured graphs reuse their output memory on every replay). Clone "
         "outputs you keep past the next call (out.clone()), or compile with "
         "options={'clone_outputs': True}"
-    )
-
-
-def _unexportable(what: str, graph_id: str) -> str:
-    return (
-        f"fxsplit {graph_id}: {what} is exported to NumPy or DLPack, which keep its address, "
-        "and this torch cannot move it out of the memory pool the next replay overwrites "
-        "(no UntypedStorage._swap_data_ptr_, or a CUDA capture is under way): export a clone "
-        "(t.clone().numpy())"
     )
 
 
@@ -181,28 +174,6 @@ class OutputLedger:
     def adopt(self, tensor: torch.Tensor) -> None:
         """Forget ``tensor``'s hand-out: the runtime took its memory over for this call."""
         self._live.pop(tensor.untyped_storage()._cdata, None)
-
-    def export(self, cdata: int, ptr: int) -> None:
-        """A tensor over the storage ``cdata`` (at address ``ptr``) is about to be exported to
-        NumPy or DLPack (:mod:`fxsplit.runtime.exports`), which keep its address, not its
-        storage: a live hand-out or loan it is over moves to memory of its own now, with its
-        values, and is forgotten (no replay reaches it).
-
-        Raises:
-            RuntimeError: where this torch cannot move a storage (2.11, or a CUDA capture under
-                way), naming the output; nothing is exported.
-        """
-        handed = self._live.get(cdata)
-        if handed is None or handed.ref.expired():
-            unmoved = self.loans.export(cdata, ptr)
-            if unmoved is not None:
-                raise RuntimeError(_unexportable(f"an output of captured {unmoved[1]}", unmoved[0]))
-            return
-        if not may_move():
-            raise RuntimeError(_unexportable(f"output {handed.slot}", handed.graph_id))
-        del self._live[cdata]
-        self.moved += 1
-        move_out(cdata)
 
     def before_write(self, order: int) -> None:
         """A graph of capture order ``order`` is about to write the pool: every live hand-out

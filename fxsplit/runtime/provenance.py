@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxsplit.runtime import exports
 from fxsplit.runtime.storage import is_strided, storage_ptr
 
 if TYPE_CHECKING:
@@ -69,30 +68,16 @@ class Provenance:
     def __init__(self):
         self._returned: dict[int, _Returned] = {}  # id(graph) -> what its calls returned
         self._taken: dict[int, StorageWeakRef] = {}  # private copies of a call under way
-        # the open pools, weakly: id -> reference (a WeakSet's iteration costs microseconds,
-        # and every NumPy export asks them)
+        # the open pools, weakly: id -> reference (a WeakSet's iteration costs microseconds)
         self._pools: dict[int, weakref.ref[MemoryPool]] = {}
 
     def add_pool(self, pool: MemoryPool) -> None:
-        """``pool``'s memory is fxsplit's from now on (and exports to NumPy or DLPack ask
-        :meth:`before_export` first)."""
+        """``pool``'s memory is fxsplit's from now on."""
         pools, key = self._pools, id(pool)
         pools[key] = weakref.ref(pool, lambda _, key=key: pools.pop(key, None))
-        exports.install(self.before_export)
 
     def _open(self) -> list[MemoryPool]:
         return [pool for ref in list(self._pools.values()) if (pool := ref()) is not None]
-
-    def before_export(self, tensor: torch.Tensor) -> None:
-        """``tensor`` is about to be exported to NumPy or DLPack: an output over an open pool's
-        memory moves out of it first (:meth:`OutputLedger.export
-        <fxsplit.runtime.output_lifetime.OutputLedger.export>`, which raises where it cannot)."""
-        if not self._pools or type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
-            return
-        storage = tensor.untyped_storage()
-        cdata, ptr = storage._cdata, storage.data_ptr()
-        for pool in self._open():
-            pool.ledger.export(cdata, ptr)
 
     def drop_pool(self, pool: MemoryPool) -> None:
         """``pool``'s memory is released: nothing asks it any more."""
