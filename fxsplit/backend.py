@@ -164,7 +164,10 @@ class Backend:
         if finishers:
             self._finishers += finishers
             _BACKENDS_WITH_FINISHERS.add(self)
-        compiled = runtime if runtime is not None else result.stitched.forward
+        if runtime is not None:
+            compiled = runtime
+        else:
+            compiled = capture_off.counted(result.stitched.forward, len(result.plan.captured))
         if self.checks.pending:
             return WarnOnSecondCall(compiled, self.checks.warn)
         return compiled

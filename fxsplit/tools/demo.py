@@ -41,6 +41,7 @@ from rich.table import Table
 import fxsplit
 from fxsplit import capture_off
 from fxsplit.config import Config
+from fxsplit.counters import DEFINITIONS
 from fxsplit.models import deepseek_v4, hf_architectures, hf_deepseek_v4
 from fxsplit.passes.modules import module_path
 from fxsplit.plan import SplitPlan
@@ -57,13 +58,14 @@ DECODE_STEPS = 6
 LEGEND = (
     ("graph_<n>", "the n-th graph Dynamo compiled; in brackets: its step or lengths"),
     ("plan <k>", "the k-th distinct prefill split (each length compiles afresh)"),
-    ("captures", "captured pieces recorded as a CUDA graph (emulated on CPU)"),
-    ("replays", "captured pieces run by replaying their recorded graph"),
-    ("uncaptured", "pieces run without a graph (warm-up, a size seen first)"),
-    ("input copies", "new tensors copied into the buffers a recorded graph reads"),
+    ("captures", DEFINITIONS["captures"]),
+    ("replays", DEFINITIONS["replays"]),
+    ("uncaptured", DEFINITIONS["uncaptured_runs"]),
+    ("input copies", DEFINITIONS["input_copies"]),
     ("warmup_runs", "0 for the prefill: its 1st call captures (default 1: the 2nd)"),
 )
-"""What the tables' words and counters mean, one line each."""
+"""What the tables' words and counters mean, one line each (the counters' as
+:data:`fxsplit.counters.DEFINITIONS` defines them)."""
 
 
 def _capture_mode() -> tuple[str, str]:
