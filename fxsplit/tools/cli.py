@@ -4,45 +4,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import sys
-from collections.abc import Mapping
 
 import fxsplit
-from fxsplit.tools.cli_checks import UsageError, check_factory, check_options, check_runner
-
-
-def _load_factory(spec: str):
-    """Import ``MODULE:FACTORY`` (the current directory is importable, as with ``python -m``)."""
-    module_name, attr = check_factory(spec)
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise UsageError(f"cannot import module {module_name!r}: {error}") from None
-    factory = module
-    for atom in attr.split("."):
-        try:
-            factory = getattr(factory, atom)
-        except AttributeError:
-            raise UsageError(f"module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(factory):
-        raise UsageError(f"{spec} is not callable (got {type(factory).__name__})")
-    return factory
-
-
-def _call_factory(spec: str, factory):
-    made = factory()
-    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
-        raise UsageError(f"{spec}() must return (model, example_inputs), got {type(made).__name__}")
-    model, inputs = made
-    if isinstance(inputs, Mapping):
-        return model, (), dict(inputs)
-    if not isinstance(inputs, (tuple, list)):
-        inputs = (inputs,)
-    return model, tuple(inputs), {}
+from fxsplit.tools import factory as factories
+from fxsplit.tools.cli_checks import (
+    UsageError,
+    check_factory,
+    check_options,
+    check_runner,
+    unknown_arguments,
+)
 
 
 def _options(text: str | None, runner: str | None) -> dict:
@@ -96,7 +69,7 @@ def _compile(spec: str, factory, options: dict):
         codes.append((code, list(example_inputs)))
         return backend(gm, example_inputs, **kwargs)
 
-    model, args, kwargs = _call_factory(spec, factory)
+    model, args, kwargs = factories.call(spec, factory)
     torch._dynamo.reset()
     with _warnings_at(factory):
         with _no_env_dump_dir(), torch.no_grad():
@@ -139,7 +112,7 @@ def _console():
 def _dump(args) -> int:
     from fxsplit.tools.dump import plan_table, sharing_lines, write_dump
 
-    factory = _load_factory(args.factory)
+    factory = factories.load(args.factory)
     name, records = _compile(args.factory, factory, _options(args.options, args.runner))
     console = _console()
     for split, code, inputs in records:
@@ -159,7 +132,7 @@ def _diff(args) -> int:
     runners = args.runner or ["v1", "v2"]
     if len(runners) != 2:
         raise UsageError(f"diff takes --runner exactly twice (A and B), got {len(runners)}")
-    factory = _load_factory(args.factory)
+    factory = factories.load(args.factory)
     compiled = [
         _compile(args.factory, factory, _options(args.options, runner))[1] for runner in runners
     ]
@@ -227,6 +200,11 @@ def _check_before_torch(args) -> None:
             check_runner(name, module)
 
 
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    # argparse keeps its options only in ``_actions`` (private, and there since Python 2.7)
+    return [flag for action in parser._actions for flag in action.option_strings]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fxsplit``; returns the exit status (2: bad command line)."""
     parser = argparse.ArgumentParser(prog="fxsplit", description=__doc__)
@@ -291,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
         "delete them",
     )
     cache_parser.add_argument("--cache-dir", default=None, help="the cache folder")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = commands.choices[args.command]
+        command.error(unknown_arguments(unknown, _flags(parser) + _flags(command)))  # exits 2
     if args.command == "cache":
         return _cache(args)
     if args.command == "demo" and args.tp is not None:
