@@ -50,7 +50,7 @@ def _cli_flags() -> set[str]:
 
 def test_readme_or_docs_document_every_command_line_flag():
     flags = _cli_flags()
-    assert {"--summary", "--tp", "--cache-dir"} <= flags  # the help was read
+    assert {"--nodes", "--tp", "--cache-dir"} <= flags  # the help was read
     documented = set(re.findall(FLAG, README + DOCS))
     assert sorted(flags - documented) == []
 
