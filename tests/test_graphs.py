@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import warnings
 from typing import ClassVar
 
 import pytest
@@ -33,6 +34,7 @@ class _Graph:
 
     made: ClassVar[list[_Graph]] = []
     fail_end = False
+    end_warning: str | None = None  # what capture_end warns, as torch warns of an empty graph
 
     def __init__(self):
         self.calls: list[tuple] = []
@@ -43,6 +45,8 @@ class _Graph:
 
     def capture_end(self):
         self.calls.append(("end",))
+        if _Graph.end_warning is not None:
+            warnings.warn(_Graph.end_warning, stacklevel=1)
         if _Graph.fail_end:
             raise RuntimeError("operation failed due to a previous error during capture")
 
@@ -63,6 +67,7 @@ def fake_cuda(monkeypatch):
     current = _Stream()
     _Graph.made.clear()
     _Graph.fail_end = False
+    _Graph.end_warning = None
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", next(pools)))
     monkeypatch.setattr(torch.cuda, "Stream", _Stream)
@@ -130,6 +135,25 @@ def test_an_empty_keeper_graph_holds_each_pool_before_its_first_capture(fake_cud
     shared.renew("test")
     graphs.CudaGraph(shared).capture(lambda: None)
     assert len(_Graph.made) == 5 and _Graph.made[4].calls[0][1] == shared.pool
+
+
+EMPTY = (
+    "The CUDA Graph is empty. This usually means that the graph was attempted to be captured on "
+    "wrong device or stream."
+)
+
+
+@pytest.mark.parametrize(("warned", "seen"), [(EMPTY, 0), ("another warning", 1)])
+def test_the_empty_keeper_graph_warns_nobody(fake_cuda, warned, seen):
+    """torch warns of every empty graph at capture_end: the keeper is empty on purpose, and the
+    first GPU run printed torch's warning once per memory pool. Other warnings still pass."""
+    _Graph.end_warning = warned
+    shared = graphs.DeviceCapture(torch.device("cuda", 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shared.keep_alive()
+    assert _Graph.made[-1].calls[-1] == ("end",)
+    assert [str(w.message) for w in caught] == [warned] * seen
 
 
 def test_a_graph_registers_the_generators_its_piece_draws_from_before_capture(fake_cuda):

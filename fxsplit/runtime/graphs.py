@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 
 import torch
 
@@ -54,7 +55,10 @@ class DeviceCapture:
             return
         keeper = torch.cuda.CUDAGraph()
         index = self.device.index if self.device.index is not None else 0
-        with torch.cuda.device(index):
+        with torch.cuda.device(index), warnings.catch_warnings():
+            # empty on purpose; torch warns of every empty graph, once per pool (cudagraph
+            # trees silence their keeper the same way)
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 keeper.capture_begin(pool=self.pool, capture_error_mode="thread_local")
