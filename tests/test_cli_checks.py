@@ -171,6 +171,10 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             ["demo", "--modle", "Llama"],
             "fxsplit demo: error: unrecognized arguments: --modle Llama; did you mean --model?",
         ),
+        (
+            ["demo", "--devcie", "cpu"],
+            "fxsplit demo: error: unrecognized arguments: --devcie cpu; did you mean --device?",
+        ),
         (["demo", "--zzz"], "fxsplit demo: error: unrecognized arguments: --zzz"),
     ],
 )

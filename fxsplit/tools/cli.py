@@ -187,7 +187,11 @@ def _demo(args) -> int:
         except (ValueError, ImportError) as error:
             raise UsageError(str(error)) from None
     try:
-        return demo.run(args.model, compile_pieces=args.compile_pieces)
+        device = demo.check_device(args.device or demo.default_device())
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    try:
+        return demo.run(args.model, compile_pieces=args.compile_pieces, device=device)
     except ModuleNotFoundError as error:
         if args.model is None:
             raise
@@ -217,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fxsplit", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fxsplit {fxsplit.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_help = "compile the reference models under runners v1 and v2 and compare with eager"
+    demo_help = (
+        "compile the reference models under runners v1 and v2 and compare with eager, then "
+        "decode with eager, fxsplit and reduce-overhead side by side"
+    )
     demo_parser = commands.add_parser("demo", help=demo_help, description=demo_help)
     demo_parser.add_argument(
         "--compile-pieces",
@@ -232,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="instead: DeepSeek-V4 decode tensor-parallel over N CPU processes (gloo, capture "
         "emulated) under v1 and v2, each rank compared with the single-process model",
+    )
+    demo_parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="where to run: cuda (CUDA graphs, ending with eager, fxsplit and reduce-overhead "
+        "decoding side by side) or cpu (capture emulated); default: cuda where torch sees a GPU",
     )
     demo_parser.add_argument(
         "--model",
@@ -295,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"fxsplit demo: error: --tp runs the DeepSeek-V4 reference model only; drop "
                 f"--model {args.model} (or --tp)",
+                file=sys.stderr,
+            )
+            return 2
+        if args.device == "cuda":
+            print(
+                "fxsplit demo: error: --tp runs on CPU processes (gloo); drop --device cuda "
+                "(or --tp)",
                 file=sys.stderr,
             )
             return 2
