@@ -461,3 +461,31 @@ def test_demo_on_cuda_without_a_gpu_says_so_and_the_fix():
 def test_demo_bad_device_exits_2(argv, said):
     done = _cli("demo", *argv)
     assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+def test_a_variant_that_fails_is_a_row_saying_so_and_the_table_goes_on(monkeypatch):
+    """The first GPU run saw transformers' compiled forward with a StaticCache raise on torch
+    2.11: one variant's error must not cost the user the rest of the table."""
+
+    def decode(variant, device, steps, options):
+        if variant == "fxsplit v2":
+            raise RuntimeError("the capture failed\nwith more lines")
+        return [torch.ones(1, 4)] * steps, 2.0, 0
+
+    rows = demo_speed._model_rows("Llama", decode, "cpu", 3, "emulate", "eager", lambda s: {})
+    assert [(r.variant, r.error) for r in rows] == [
+        ("eager", None),
+        ("fxsplit v1", None),
+        ("fxsplit v2", "RuntimeError: the capture failed"),
+    ]
+    cells = demo_speed.table_rows(rows, allowed=0.0)
+    assert cells[-1] == (("Llama", "fxsplit v2", "-", "-", "failed", "-", "NO"), False)
+    assert "Llama, fxsplit v2 failed: RuntimeError: the capture failed" in demo_speed.notes(
+        rows, "cpu", 3, 0.0
+    )
+
+    def eager_fails(variant, device, steps, options):
+        raise ValueError("no baseline")
+
+    with pytest.raises(ValueError, match="no baseline"):  # nothing to compare with
+        demo_speed._model_rows("Llama", eager_fails, "cpu", 3, "emulate", "eager", lambda s: {})

@@ -36,7 +36,18 @@ import fxsplit
 from fxsplit.models import deepseek_v4, hf_architectures
 from fxsplit.tools.coverage import EAGER_TOLERANCE
 
-__all__ = ["VARIANTS", "WARMUP_STEPS", "Row", "measure", "notes", "table_rows", "variants"]
+__all__ = [
+    "ALLOWED",
+    "MODELS",
+    "STEPS",
+    "VARIANTS",
+    "WARMUP_STEPS",
+    "Row",
+    "measure",
+    "notes",
+    "table_rows",
+    "variants",
+]
 
 VARIANTS = ("eager", "fxsplit v1", "fxsplit v2", "reduce-overhead")
 CUDA_ONLY = ("reduce-overhead",)
@@ -66,6 +77,8 @@ class Row:
         not_replayed: under fxsplit, runs of captured pieces during the timed steps that did
             not replay (a capture or an uncaptured run: the timing then holds more than
             replays); 0 for the others, whose runs fxsplit does not count.
+        error: ``"Type: first line"`` of the error the variant raised, which leaves no figure
+            (``ms`` 0, ``diff`` None); None where it ran.
     """
 
     model: str
@@ -75,6 +88,7 @@ class Row:
     steps: int
     diff: float | None
     not_replayed: int
+    error: str | None = None
 
 
 def variants(device: str) -> tuple[str, ...]:
@@ -190,14 +204,31 @@ def _one_thread(device: str):
         torch.set_num_threads(threads)
 
 
-def _model_rows(name, decode, device, steps, capture, compile_pieces, dumps) -> list[Row]:
+def _model_rows(
+    name: str,
+    decode: Callable,
+    device: str,
+    steps: int,
+    capture: str,
+    compile_pieces: str,
+    dumps: Callable[[str], dict],
+) -> list[Row]:
     """:func:`measure`'s rows of one model: ``decode`` (:func:`_deepseek` or :func:`_llama`)
-    under every variant, eager first, each compared with eager."""
+    under every variant, eager first, each compared with eager. A compiled variant that raises
+    is a row saying so, so that the table still shows the others (eager's error is raised:
+    nothing could be compared)."""
     rows, want = [], None
     for variant in variants(device):
         section = f"decode_{name}_{variant}".replace(" ", "_").replace("-", "_").lower()
         options = {"capture": capture, "compile_pieces": compile_pieces, **dumps(section)}
-        logits, ms, missed = decode(variant, device, steps, options)
+        try:
+            logits, ms, missed = decode(variant, device, steps, options)
+        except Exception as error:
+            if variant == "eager":
+                raise
+            first = next(iter(str(error).splitlines()), "")
+            rows.append(Row(name, variant, 0.0, 0, 0, None, 0, f"{type(error).__name__}: {first}"))
+            continue
         got = torch.stack(logits).float()
         want = got if want is None else want
         same = (got.argmax(-1) == want.argmax(-1)).flatten().tolist()
@@ -210,12 +241,17 @@ def table_rows(rows: list[Row], allowed: float) -> list[tuple[tuple[str, ...], b
     """The cells of each row (model, variant, tokens as eager, max diff, ms per token, speed-up
     over eager, ok) and whether it is ok: an fxsplit row whose logits are within ``allowed`` of
     eager's (0: bit for bit; :data:`ALLOWED` for its model where larger), its tokens then
-    eager's but at a near tie. Eager and reduce-overhead are what fxsplit is compared with:
-    always ok, ``-`` in that column."""
+    eager's but at a near tie; one that failed is not. Eager and reduce-overhead are what
+    fxsplit is compared with: always ok, ``-`` in that column."""
     eager = {r.model: r.ms for r in rows if r.variant == "eager"}
     out = []
     for r in rows:
         judged = r.variant.startswith("fxsplit")
+        if r.error is not None:
+            out.append(
+                ((r.model, r.variant, "-", "-", "failed", "-", "NO" if judged else "-"), not judged)
+            )
+            continue
         good = not judged or r.diff <= max(allowed, ALLOWED.get(r.model, 0.0))
         cells = (
             r.model,
@@ -233,7 +269,8 @@ def table_rows(rows: list[Row], allowed: float) -> list[tuple[tuple[str, ...], b
 def notes(rows: list[Row], device: str, steps: int, allowed: float) -> list[str]:
     """What the table's figures are, one line each: how they were timed, which model may
     differ from eager by more than ``allowed`` (see :func:`table_rows`), what the figures mean
-    on a CPU, and every fxsplit row whose timed steps held more than replays."""
+    on a CPU, every variant that failed, and every fxsplit row whose timed steps held more
+    than replays."""
     lines = [
         f"batch 1, one token per step; ms per token: the mean of {steps} decode steps after "
         f"{WARMUP_STEPS} that compile and capture (and Llama's prompt), from the host, the "
@@ -253,6 +290,8 @@ def notes(rows: list[Row], device: str, steps: int, allowed: float) -> list[str]
             "needs CUDA; fxsplit demo --device cuda on a GPU shows the speed-up"
         )
     for r in rows:
+        if r.error is not None:
+            lines.append(f"{r.model}, {r.variant} failed: {r.error}")
         if r.not_replayed:
             lines.append(
                 f"{r.model}, {r.variant}: {r.not_replayed} runs of captured pieces in the timed "
