@@ -490,7 +490,8 @@ def _speed(console: Console, compile_pieces: str, device: str) -> bool:
         table.add_row(*cells)
         ok &= good
     where = torch.cuda.get_device_name(0) if device == "cuda" else "the CPU"
-    console.print(titled(f"Decode on {where}: eager, fxsplit and reduce-overhead", table))
+    against = "fxsplit and reduce-overhead" if device == "cuda" else "fxsplit"
+    console.print(titled(f"Decode on {where}: eager against {against}", table))
     for line in demo_speed.notes(rows, device, steps, allowed):
         _print_wrapped(console, line)
     _dump_line(console, "decode_<model>_<variant>")
