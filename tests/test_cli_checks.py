@@ -191,36 +191,45 @@ def test_unknown_arguments_suggests_nothing_far_from_every_flag():
     )
 
 
-@pytest.mark.parametrize(
-    ("spec", "said"),
-    [
-        (
-            "fxsplit.models.deepseek_v4:exampel",
-            "module 'fxsplit.models.deepseek_v4' has no attribute 'exampel'; did you mean "
-            "fxsplit.models.deepseek_v4:example?",
-        ),
-        (
-            "fxsplit.models.deepseek_v4:DecodeRunner.stepp",
-            "module 'fxsplit.models.deepseek_v4' has no attribute 'DecodeRunner.stepp'; did you "
-            "mean fxsplit.models.deepseek_v4:DecodeRunner.step?",
-        ),
-        (
-            "fxsplit.modls.deepseek_v4:example",
-            "cannot import module 'fxsplit.modls.deepseek_v4': No module named 'fxsplit.modls'; "
-            "did you mean fxsplit.models.deepseek_v4:example?",
-        ),
-        (
-            "fxsplit.models.deepsek_v4:example",
-            "cannot import module 'fxsplit.models.deepsek_v4': No module named "
-            "'fxsplit.models.deepsek_v4'; did you mean fxsplit.models.deepseek_v4:example?",
-        ),
-        (
-            "fxsplit.models.deepseek_v4:qqqqqq",
-            "module 'fxsplit.models.deepseek_v4' has no attribute 'qqqqqq'",
-        ),
-    ],
-)
-def test_a_misspelt_module_or_factory_is_answered_with_the_one_meant(spec, said, tmp_path):
-    done = _cli("dump", spec, "--out", str(tmp_path))
-    assert done.returncode == 2, done.stderr
-    assert done.stderr == f"fxsplit dump: error: {said}\n"
+MISSPELT = [
+    (
+        "fxsplit.models.deepseek_v4:exampel",
+        "module 'fxsplit.models.deepseek_v4' has no attribute 'exampel'; did you mean "
+        "fxsplit.models.deepseek_v4:example?",
+    ),
+    (
+        "fxsplit.models.deepseek_v4:DecodeRunner.stepp",
+        "module 'fxsplit.models.deepseek_v4' has no attribute 'DecodeRunner.stepp'; did you "
+        "mean fxsplit.models.deepseek_v4:DecodeRunner.step?",
+    ),
+    (
+        "fxsplit.modls.deepseek_v4:example",
+        "cannot import module 'fxsplit.modls.deepseek_v4': No module named 'fxsplit.modls'; "
+        "did you mean fxsplit.models.deepseek_v4:example?",
+    ),
+    (
+        "fxsplit.models.deepsek_v4:example",
+        "cannot import module 'fxsplit.models.deepsek_v4': No module named "
+        "'fxsplit.models.deepsek_v4'; did you mean fxsplit.models.deepseek_v4:example?",
+    ),
+    (
+        "fxsplit.models.deepseek_v4:qqqqqq",
+        "module 'fxsplit.models.deepseek_v4' has no attribute 'qqqqqq'",
+    ),
+]
+
+
+def test_a_misspelt_module_or_factory_is_answered_with_the_one_meant(tmp_path):
+    """In a fresh process (one, for all cases: each imports the model's module and torch)."""
+    code = (
+        "import json, sys\n"
+        "from fxsplit.tools import cli\n"
+        f"specs = {[spec for spec, _ in MISSPELT]!r}\n"
+        f"print(json.dumps([cli.main(['dump', s, '--out', {str(tmp_path)!r}]) for s in specs]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=scaled(120)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [2] * len(MISSPELT)
+    assert done.stderr.splitlines() == [f"fxsplit dump: error: {said}" for _, said in MISSPELT]
