@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         "--device",
         choices=("cuda", "cpu"),
         default=None,
-        help="where to run: cuda (CUDA graphs, ending with eager, fxsplit and reduce-overhead "
-        "decoding side by side) or cpu (capture emulated); default: cuda where torch sees a GPU",
+        help="where to run: cuda (CUDA graphs; the decode table adds reduce-overhead) or cpu "
+        "(capture emulated); default: cuda where torch sees a GPU",
     )
     demo_parser.add_argument(
         "--model",
