@@ -95,10 +95,11 @@ class Backend:
     ) -> Callable:
         """Split ``gm`` and return the callable Dynamo runs in its place.
 
+        A ``mode`` or ``options`` that fxsplit refuses returns a callable that raises the error
+        at every call instead (see :class:`_Refused`; raised here while precompiling).
+
         Raises:
-            ValueError: ``mode`` other than "default" or "reduce-overhead" (which asks for
-                CUDA graphs: fxsplit's own job, so it changes nothing), or a bad option.
-            TypeError: an unknown keyword from torch, or an option of the wrong type.
+            TypeError: an unknown keyword from torch.
             fxsplit.distributed.RankMismatchError: ranks split the graph differently (with
                 ``torch.distributed`` initialised and ``check_ranks`` on).
         """
@@ -106,14 +107,12 @@ class Backend:
             raise TypeError(
                 f"fxsplit backend got unexpected keyword(s) {sorted(kwargs)}; it takes options=..."
             )
-        if mode not in _MODES:
-            raise ValueError(
-                f"fxsplit does not take torch.compile(mode={mode!r}); it takes mode 'default' or "
-                "'reduce-overhead' (CUDA graphs, which fxsplit captures per piece: its capture "
-                "option decides), or leave mode unset and pass fxsplit's own settings as "
-                "options={...}"
-            )
-        config = Config.from_options(options, base=self.config) if options else self.config
+        try:
+            config = self._compile_config(mode, options)
+        except (TypeError, ValueError) as error:
+            if precompile.active():
+                raise
+            return _Refused(error)
         frame = read_frame(gm)
         # Dynamo's setting while it traces this graph: off under torch.compile(dynamic=True)
         dynamic = not torch._dynamo.config.assume_static_by_default
@@ -125,6 +124,23 @@ class Backend:
         compiled = self.build(gm, example_inputs, config, frame, dynamic=dynamic)
         precompile.add_pieces(state, self.compiled[-1].compiled_pieces)
         return precompile.Precompiled(compiled, state)
+
+    def _compile_config(self, mode: str | None, options: dict | None) -> Config:
+        """This backend's config with ``torch.compile``'s ``options`` applied.
+
+        Raises:
+            ValueError: ``mode`` other than "default" or "reduce-overhead" (which asks for
+                CUDA graphs: fxsplit's own job, so it changes nothing), or a bad option.
+            TypeError: an option of the wrong type.
+        """
+        if mode not in _MODES:
+            raise ValueError(
+                f"fxsplit does not take torch.compile(mode={mode!r}); it takes mode 'default' or "
+                "'reduce-overhead' (CUDA graphs, which fxsplit captures per piece: its capture "
+                "option decides), or leave mode unset and pass fxsplit's own settings as "
+                "options={...}"
+            )
+        return Config.from_options(options, base=self.config) if options else self.config
 
     def build(
         self,
@@ -164,7 +180,10 @@ class Backend:
         if finishers:
             self._finishers += finishers
             _BACKENDS_WITH_FINISHERS.add(self)
-        compiled = runtime if runtime is not None else result.stitched.forward
+        if runtime is not None:
+            compiled = runtime
+        else:
+            compiled = capture_off.counted(result.stitched.forward, len(result.plan.captured))
         if self.checks.pending:
             return WarnOnSecondCall(compiled, self.checks.warn)
         return compiled
@@ -378,6 +397,24 @@ def _split(
     finally:
         if gc_was_enabled:
             gc.enable()
+
+
+class _Refused:
+    """What Dynamo runs in place of a graph whose ``torch.compile`` arguments (``mode=``,
+    ``options=``) fxsplit refuses: it raises that error at every call.
+
+    torch hands a string backend its options only with the first graph Dynamo traced, and has
+    no hook before. An error raised inside the backend reaches the user wrapped in
+    ``BackendCompilerFailed``: its first line "backend='fxsplit' raised:", under Dynamo's
+    frames, and its last asking for a bug report to PyTorch. Raised from the compiled frame,
+    the user's own error is what they see, fxsplit's message its first line.
+    """
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def __call__(self, *args):
+        raise self.error.with_traceback(None)
 
 
 def _close_sessions(sessions: list[CaptureSession]) -> None:

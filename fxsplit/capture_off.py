@@ -4,14 +4,20 @@ replays nothing, and counters full of zeros would otherwise be the only sign. Lo
 warned: fxsplit's warnings are errors in its own test suite and in users' strict setups) on the
 ``fxsplit`` logger, once per process, by the backend's first such graph and by
 ``fxsplit.explain``; the demo prints the same reason.
+
+With capture off a graph has no run time (nothing to capture, replay or check), so its captured
+pieces run as the stitched module's plain calls: :func:`counted` counts them as uncaptured runs.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import torch
+
+from fxsplit import counters
 
 log = logging.getLogger("fxsplit")
 
@@ -52,3 +58,19 @@ def tell_once(capture: str, cuda_device: torch.device | None) -> bool:
         _told = True
     log.warning(message(why))
     return True
+
+
+def counted(forward: Callable, captured: int) -> Callable:
+    """``forward`` (a stitched module's, run with capture off) adding its ``captured`` pieces
+    to the ``uncaptured_runs`` counter at every call: each of them runs once per call, never
+    captured. Without it the counters showed captured pieces with neither captures nor
+    uncaptured runs, as if the pieces had not run at all. ``forward`` itself where
+    ``captured`` is 0."""
+    if captured == 0:
+        return forward
+
+    def run_uncaptured(*args):
+        counters.totals["uncaptured_runs"] += captured
+        return forward(*args)
+
+    return run_uncaptured

@@ -96,3 +96,41 @@ def test_a_cpu_user_of_the_string_backend_sees_the_line_once_on_stderr():
     assert done.returncode == 0, done.stderr[-2000:]
     said = [line for line in done.stderr.splitlines() if "capture is off" in line]
     assert said == [capture_off.message("torch sees no CUDA or ROCm device")], done.stderr
+
+
+class _TwoCaptured(torch.nn.Module):
+    """Two captured pieces around one eager region."""
+
+    def forward(self, x):
+        h = x.sin()
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.softmax(-1)
+        return h.cos()
+
+
+@pytest.mark.parametrize("capture", ["off", "auto"])
+def test_with_capture_off_every_captured_piece_counts_as_an_uncaptured_run(untold, capture):
+    """Four calls of a graph planned with two captured pieces: 8 uncaptured runs, no capture or
+    replay (the counters showed captured pieces that seemed never to run)."""
+    if capture == "auto" and torch.cuda.is_available():
+        pytest.skip("capture='auto' captures on a machine with CUDA")
+    backend = fxsplit.Backend(capture=capture, input_binding="copy")
+    model = torch.compile(_TwoCaptured(), backend=backend)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 4)
+            assert torch.equal(model(x), _TwoCaptured()(x))
+    (plan,) = backend.plans
+    assert len(plan.captured) == 2
+    snapshot = counters.snapshot()
+    assert snapshot["captured_pieces"] == 2
+    assert (snapshot["captures"], snapshot["replays"], snapshot["uncaptured_runs"]) == (0, 0, 8)
+
+
+def test_with_capture_off_a_graph_of_eager_pieces_only_counts_no_run():
+    backend = fxsplit.Backend(capture="off", eager_modules=["*"], input_binding="copy")
+    model = torch.compile(torch.nn.Linear(4, 4), backend=backend)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    assert backend.plans[0].captured == []
+    assert counters.snapshot()["uncaptured_runs"] == 0

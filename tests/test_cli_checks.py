@@ -101,8 +101,8 @@ def test_a_runner_is_built_in_or_named_by_the_factorys_module(tmp_path, monkeypa
     with pytest.raises(UsageError) as info:
         cli_checks.check_runner("v3", "mymodel")
     assert str(info.value) == (
-        "unknown runner 'v3'; built-in runners: v1, v2; did you mean 'v2'? (module mymodel "
-        "does not name it, so it cannot register it either)"
+        "unknown runner 'v3' (not built in, and module mymodel, which could register it, never "
+        "names it); built-in runners: v1, v2; did you mean 'v2'?"
     )
 
 
@@ -137,3 +137,99 @@ def test_bad_arguments_exit_2_before_torch_is_imported():
     errors = done.stderr.splitlines()
     assert len(errors) == len(cases) and all(": error: " in line for line in errors), errors
     assert "did you mean 'emulate'?" in errors[3]
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    """``fxsplit ARGV`` in a fresh process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "fxsplit.tools.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=scaled(120),
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["dump", "fxsplit.models.deepseek_v4:example", "--runer", "v1"],
+            "fxsplit dump: error: unrecognized arguments: --runer v1; did you mean --runner?",
+        ),
+        (
+            ["diff", "x:y", "--sumary", "--runer=v1"],
+            "fxsplit diff: error: unrecognized arguments: --sumary --runer=v1; did you mean "
+            "--summary for --sumary, --runner for --runer?",
+        ),
+        (
+            ["cache", "info", "--cache-dirr", "d"],
+            "fxsplit cache: error: unrecognized arguments: --cache-dirr d; did you mean "
+            "--cache-dir?",
+        ),
+        (
+            ["demo", "--modle", "Llama"],
+            "fxsplit demo: error: unrecognized arguments: --modle Llama; did you mean --model?",
+        ),
+        (
+            ["demo", "--devcie", "cpu"],
+            "fxsplit demo: error: unrecognized arguments: --devcie cpu; did you mean --device?",
+        ),
+        (["demo", "--zzz"], "fxsplit demo: error: unrecognized arguments: --zzz"),
+    ],
+)
+def test_a_misspelt_flag_is_answered_with_the_flag_meant(argv, said):
+    done = _cli(*argv)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == said
+    assert done.stdout == ""
+
+
+def test_unknown_arguments_suggests_nothing_far_from_every_flag():
+    assert cli_checks.unknown_arguments(["x", "--qqq"], ["-h", "--help", "--runner"]) == (
+        "unrecognized arguments: x --qqq"
+    )
+
+
+MISSPELT = [
+    (
+        "fxsplit.models.deepseek_v4:exampel",
+        "module 'fxsplit.models.deepseek_v4' has no attribute 'exampel'; did you mean "
+        "fxsplit.models.deepseek_v4:example?",
+    ),
+    (
+        "fxsplit.models.deepseek_v4:DecodeRunner.stepp",
+        "module 'fxsplit.models.deepseek_v4' has no attribute 'DecodeRunner.stepp'; did you "
+        "mean fxsplit.models.deepseek_v4:DecodeRunner.step?",
+    ),
+    (
+        "fxsplit.modls.deepseek_v4:example",
+        "cannot import module 'fxsplit.modls.deepseek_v4': No module named 'fxsplit.modls'; "
+        "did you mean fxsplit.models.deepseek_v4:example?",
+    ),
+    (
+        "fxsplit.models.deepsek_v4:example",
+        "cannot import module 'fxsplit.models.deepsek_v4': No module named "
+        "'fxsplit.models.deepsek_v4'; did you mean fxsplit.models.deepseek_v4:example?",
+    ),
+    (
+        "fxsplit.models.deepseek_v4:qqqqqq",
+        "module 'fxsplit.models.deepseek_v4' has no attribute 'qqqqqq'",
+    ),
+]
+
+
+def test_a_misspelt_module_or_factory_is_answered_with_the_one_meant(tmp_path):
+    """In a fresh process (one, for all cases: each imports the model's module and torch)."""
+    code = (
+        "import json, sys\n"
+        "from fxsplit.tools import cli\n"
+        f"specs = {[spec for spec, _ in MISSPELT]!r}\n"
+        f"print(json.dumps([cli.main(['dump', s, '--out', {str(tmp_path)!r}]) for s in specs]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=scaled(120)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [2] * len(MISSPELT)
+    assert done.stderr.splitlines() == [f"fxsplit dump: error: {said}" for _, said in MISSPELT]

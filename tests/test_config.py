@@ -15,19 +15,6 @@ from tests.warned import warned_at
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
 
-def _chain(exc: BaseException) -> list[BaseException]:
-    """``exc`` and every exception behind it (cause, context, Dynamo's inner_exception)."""
-    seen: list[BaseException] = []
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or any(e is s for s in seen):
-            continue
-        seen.append(e)
-        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
-    return seen
-
-
 def _fn(x):
     with fxsplit.region("attention"):
         a = x.sin()
@@ -211,21 +198,17 @@ def test_backend_options_override_construction_options():
 # --------------------------------------------------------------------------- string backend
 
 
-def test_string_backend_bad_option_fails_on_first_call_with_cause():
+def test_string_backend_bad_option_fails_on_first_call_with_fxsplits_error():
     compiled = torch.compile(_fn, backend="fxsplit", options={"bogus": 1})  # no error yet
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+    with pytest.raises(ValueError) as info:
         compiled(torch.randn(3))
-    errors = [e for e in _chain(info.value) if type(e) is ValueError]
-    assert errors, _chain(info.value)
-    assert "'bogus'" in str(errors[0]) and "valid options" in str(errors[0])
+    assert "'bogus'" in str(info.value) and "valid options" in str(info.value)
 
 
 def test_string_backend_rejects_a_mode_it_does_not_take():
     compiled = torch.compile(_fn, backend="fxsplit", mode="max-autotune-no-cudagraphs")
-    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as info:
+    with pytest.raises(ValueError, match="mode='max-autotune-no-cudagraphs'"):
         compiled(torch.randn(3))
-    errors = [e for e in _chain(info.value) if type(e) is ValueError]
-    assert errors and "mode='max-autotune-no-cudagraphs'" in str(errors[0])
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])

@@ -8,6 +8,10 @@ from __future__ import annotations
 import io
 import logging
 import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +23,10 @@ from rich.table import Table
 
 import fxsplit
 from fxsplit.models import deepseek_v4
-from fxsplit.tools import demo
+from fxsplit.tools import demo, demo_speed
 from fxsplit.tools.dump import graph_title, plan_table
 from tests.columns import Recording, cut_words
+from tests.timeouts import scaled
 
 
 def test_cut_words_finds_a_word_folded_across_lines():
@@ -45,11 +50,13 @@ def test_plan_tables_fit_80_columns_without_cutting_a_word():
 
 
 def test_demo_at_80_columns_labels_every_plan_and_cuts_no_word(monkeypatch):
-    """The whole demo (fewer decode steps and prefill lengths) on an 80-column terminal."""
+    """The whole demo on the CPU (fewer decode steps and prefill lengths) on an 80-column
+    terminal, as ``fxsplit demo --device cpu`` runs it, the decode table last."""
     monkeypatch.setattr(demo, "STEPS", (4, 4, 3, 4))
     monkeypatch.setattr(demo, "PREFILL_LENGTHS", (5, 8))
+    monkeypatch.setitem(demo_speed.STEPS, "cpu", 2)
     console = Recording(80)
-    assert demo.run(console=console) == 0
+    assert demo.run(console=console, device="cpu") == 0
     text = console.text
     assert max(len(line) for line in text.splitlines()) <= 80
     assert not cut_words(console)
@@ -76,12 +83,27 @@ def test_demo_at_80_columns_labels_every_plan_and_cuts_no_word(monkeypatch):
             "torch sees no CUDA or ROCm device: the default capture='auto' would capture" in words
         )
     assert [line for line in text.splitlines() if line != line.rstrip()] == []  # no padding
+    # the decode table ends it: every model, every variant but CUDA's, each row ok
+    table = text.split("Decode on the CPU: eager against fxsplit\n")[1]
+    rows = re.findall(r"^│(DeepSeek-V4|Llama) *│ ([\w -]+?) *│.*│ (yes|NO|-) *│$", table, re.M)
+    assert [(m, v) for m, v, _ in rows] == [
+        (m, v) for m in demo_speed.MODELS for v in ("eager", "fxsplit v1", "fxsplit v2")
+    ]
+    assert [ok for _, v, ok in rows if v != "eager"] == ["yes"] * 4
+    assert text.endswith("all comparisons passed\n")
 
 
-def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, capsys):
-    monkeypatch.setattr(demo, "_deepseek", lambda console, runner, compile_pieces: True)
-    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console, compile_pieces: True)
+@pytest.fixture
+def header_only(monkeypatch):
+    """The demo's sections stubbed out (passing): only its header and closing line run."""
+    monkeypatch.setattr(demo, "_deepseek", lambda console, runner, compile_pieces, device: True)
+    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console, compile_pieces, device: True)
+    monkeypatch.setattr(demo, "_speed", lambda console, compile_pieces, device: True)
     monkeypatch.setattr(demo.hf_deepseek_v4, "available", lambda: False)
+
+
+@pytest.mark.usefixtures("header_only")
+def test_demo_without_transformers_skips_that_section_and_exits_0(capsys):
     assert demo.run() == 0
     out = capsys.readouterr().out
     assert "skipped the transformers section" in out and "pip install" in out
@@ -89,15 +111,13 @@ def test_demo_without_transformers_skips_that_section_and_exits_0(monkeypatch, c
     assert [line for line in out.splitlines() if line != line.rstrip()] == []  # no padding
 
 
+@pytest.mark.usefixtures("header_only")
 def test_demo_says_where_the_dump_folders_go(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(demo, "_deepseek", lambda console, runner, compile_pieces: True)
-    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console, compile_pieces: True)
-    monkeypatch.setattr(demo.hf_deepseek_v4, "available", lambda: False)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FXSPLIT_DUMP_DIR", "dumps")
     assert demo.run() == 0
     out = " ".join(capsys.readouterr().out.split())  # wrapped at the console's width
-    assert f"dump folders: one per compiled graph, in {tmp_path / 'dumps'}" in out
+    assert f"dump folders: one per compiled graph, in {tmp_path / 'dumps'}, in a folder" in out
     monkeypatch.delenv("FXSPLIT_DUMP_DIR")
     assert demo.run() == 0
     assert "dump folders" not in capsys.readouterr().out
@@ -116,12 +136,12 @@ def test_demo_says_where_the_dump_folders_go(monkeypatch, capsys, tmp_path):
 def test_demo_states_once_the_difference_from_eager_it_allows(compile_pieces, said, monkeypatch):
     """Inductor pieces may differ from eager within COMPILED_TOLERANCE and are marked ok: the
     demo says so once, as the --tp demo does, instead of leaving non-zero diffs unexplained."""
-    monkeypatch.setattr(demo, "_capture_mode", lambda: ("emulate", "cpu"))
-    monkeypatch.setattr(demo, "_deepseek", lambda console, runner, compile_pieces: True)
-    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console, compile_pieces: True)
+    monkeypatch.setattr(demo, "_deepseek", lambda console, runner, compile_pieces, device: True)
+    monkeypatch.setattr(demo, "_narrow_vs_wide", lambda console, compile_pieces, device: True)
+    monkeypatch.setattr(demo, "_speed", lambda console, compile_pieces, device: True)
     monkeypatch.setattr(demo.hf_deepseek_v4, "available", lambda: False)
     console = Recording(80)
-    assert demo.run(compile_pieces=compile_pieces, console=console) == 0
+    assert demo.run(compile_pieces=compile_pieces, console=console, device="cpu") == 0
     text = console.text
     assert text.count("max diff: ") == 1 and said in text.replace("\n", " ")
     assert max(len(line) for line in text.splitlines()) <= 80
@@ -150,7 +170,7 @@ def test_demo_decode_with_inductor_pieces_is_within_tolerance(runner, tmp_path, 
     inductor_log = logging.getLogger("torch._inductor")
     inductor_log.addHandler(warned)
     try:
-        assert demo._deepseek(Console(file=out, width=80), runner, "inductor")
+        assert demo._deepseek(Console(file=out, width=80), runner, "inductor", "cpu")
     finally:
         inductor_log.removeHandler(warned)
     assert "NO" not in out.getvalue()
@@ -238,14 +258,14 @@ def test_demo_model_runs_both_runners_default_first_and_cuts_no_word(monkeypatch
     counts = {"captures": 0, "replays": 3, "uncaptured_runs": 0, "input_copies": 2}
     ran = []
 
-    def model_run(architecture, runner, compile_pieces):
+    def model_run(architecture, runner, compile_pieces, device):
         ran.append((architecture, runner))
         rows = [(label, 0.0, counts) for label in ("prefill", "decode 1", "decode 2")]
         return demo._ModelRun(plans, {"graph_0": "prefill"}, rows)
 
     monkeypatch.setattr(demo, "_model_run", model_run)
     console = Recording(80)
-    assert demo.run("Qwen2MoeForCausalLM", console=console) == 0
+    assert demo.run("Qwen2MoeForCausalLM", console=console, device="cpu") == 0
     assert [r for _, r in ran] == ["v2", "v1"]  # its default runner first
     text = console.text
     assert max(len(line) for line in text.splitlines()) <= 80
@@ -259,7 +279,7 @@ def test_demo_model_runs_both_runners_default_first_and_cuts_no_word(monkeypatch
 def test_demo_model_decodes_until_every_captured_piece_replays_under_v2():
     """transformers' loop hands a fresh input_ids every step: the demo binds by copy, so v2
     replays instead of raising BindingError, and it decodes long enough to show replays."""
-    run = demo._model_run("LlamaForCausalLM", "v2", "eager")
+    run = demo._model_run("LlamaForCausalLM", "v2", "eager", "cpu")
     labels = [label for label, _, _ in run.rows]
     assert labels[0] == "prefill" and labels[-1] == f"decode {demo.DECODE_STEPS}"
     assert all(diff == 0 for _, diff, _ in run.rows)
@@ -326,3 +346,146 @@ def test_prefill_table_names_the_calls_that_capture_and_replay(compiles, calls):
     headers = [str(c.header) for c in demo._prefill_table(compiles).columns]
     assert f"captures, {calls[0]} call" in headers
     assert f"replays, {calls[1]} call" in headers
+
+
+def test_the_decode_table_on_the_cpu_matches_eager_and_times_replays_only():
+    """``fxsplit demo --device cpu``'s decode table: both models under eager and both runners
+    (reduce-overhead needs CUDA), every predicted token eager's, DeepSeek-V4 bit for bit,
+    Llama within what transformers' compiled path differs by; the timed steps all replay; no
+    warning; torch's thread count as it was."""
+    threads = torch.get_num_threads()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = demo_speed.measure("cpu", "emulate", "eager", steps=2)
+    assert [str(w.message) for w in caught] == []
+    assert torch.get_num_threads() == threads
+    assert [(r.model, r.variant) for r in rows] == [
+        (m, v) for m in demo_speed.MODELS for v in ("eager", "fxsplit v1", "fxsplit v2")
+    ]
+    # steps compared: the warm-up steps, the timed ones, and Llama's prompt
+    steps = {"DeepSeek-V4": demo_speed.WARMUP_STEPS + 2, "Llama": demo_speed.WARMUP_STEPS + 3}
+    for r in rows:
+        assert r.steps == steps[r.model] and r.same_tokens == r.steps, r
+        assert r.ms > 0 and r.not_replayed == 0, r
+    diffs = {(r.model, r.variant): r.diff for r in rows if r.diff is not None}
+    assert diffs[("DeepSeek-V4", "fxsplit v1")] == diffs[("DeepSeek-V4", "fxsplit v2")] == 0
+    assert max(diffs.values()) <= demo_speed.ALLOWED["Llama"]
+
+
+def _row(model, variant, ms, diff=None, not_replayed=0):
+    return demo_speed.Row(model, variant, ms, 7, 8, diff, not_replayed)
+
+
+def test_the_decode_table_judges_fxsplits_rows_only_and_says_the_speed_up():
+    rows = [
+        _row("DeepSeek-V4", "eager", 3.0),
+        _row("DeepSeek-V4", "fxsplit v1", 1.0, 0.0),
+        _row("DeepSeek-V4", "fxsplit v2", 1.5, 1e-6),
+        _row("DeepSeek-V4", "reduce-overhead", 0.75, 0.5),
+        _row("Llama", "eager", 2.0),
+        _row("Llama", "fxsplit v2", 4.0, 1e-6, not_replayed=3),
+    ]
+    cells = demo_speed.table_rows(rows, allowed=0.0)
+    assert [c for c, _ in cells] == [
+        ("DeepSeek-V4", "eager", "-", "-", "3.00", "1.00x", "-"),
+        ("DeepSeek-V4", "fxsplit v1", "7/8", "0", "1.00", "3.00x", "yes"),
+        ("DeepSeek-V4", "fxsplit v2", "7/8", "1e-06", "1.50", "2.00x", "NO"),  # over 0
+        ("DeepSeek-V4", "reduce-overhead", "7/8", "0.5", "0.75", "4.00x", "-"),  # not judged
+        ("Llama", "eager", "-", "-", "2.00", "1.00x", "-"),
+        ("Llama", "fxsplit v2", "7/8", "1e-06", "4.00", "0.50x", "yes"),  # within ALLOWED
+    ]
+    assert [good for _, good in cells] == [True, True, False, True, True, True]
+    cpu = demo_speed.notes(rows, "cpu", 8, allowed=0.0)
+    assert cpu[0].startswith("batch 1, one token per step; ms per token: the mean of 8 decode")
+    assert any(line.startswith("Llama: fxsplit may differ from eager by 1e-05") for line in cpu)
+    assert any(line.startswith("on a CPU fxsplit emulates capture") for line in cpu)
+    assert cpu[-1].startswith("Llama, fxsplit v2: 3 runs of captured pieces in the timed steps")
+    cuda = demo_speed.notes(rows[:4], "cuda", 64, allowed=demo.COMPILED_TOLERANCE)
+    assert len(cuda) == 1  # how it was timed; nothing about the CPU or a larger allowance
+
+
+def test_each_section_dumps_into_a_folder_named_after_it(monkeypatch, tmp_path):
+    """Three sections compile DeepSeek-V4 under v1, whose folders were all
+    ``DeepseekV4Model_v1_graph_0`` side by side, with nothing naming the section."""
+    monkeypatch.setenv("FXSPLIT_DUMP_DIR", str(tmp_path))
+    monkeypatch.setattr(demo, "STEPS", (4, 4))
+    console = Recording(80)
+    assert demo._deepseek(console, "v1", "eager", "cpu")
+    (folder,) = (tmp_path / "deepseek_decode_v1").iterdir()
+    assert folder.name.endswith("_DeepseekV4Model_v1_graph_0")
+    assert (folder / "plan.json").is_file()
+    said = " ".join(console.text.split())
+    assert f"dump folders: {tmp_path / 'deepseek_decode_v1'}" in said
+    assert demo._dumps("v1_narrow_region") == {"dump_dir": str(tmp_path / "v1_narrow_region")}
+    monkeypatch.delenv("FXSPLIT_DUMP_DIR")
+    assert demo._dumps("v1_narrow_region") == {}
+
+
+def test_demo_device_reaches_the_demo_and_defaults_to_cuda_where_torch_sees_it(monkeypatch):
+    from fxsplit.tools import cli
+
+    ran = []
+    monkeypatch.setattr(demo, "run", lambda model, compile_pieces, device: ran.append(device) or 0)
+    assert cli.main(["demo", "--device", "cpu"]) == 0 and ran == ["cpu"]
+    assert cli.main(["demo"]) == 0
+    assert ran[-1] == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fxsplit.tools.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=scaled(120),
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_demo_on_cuda_without_a_gpu_says_so_and_the_fix():
+    done = _cli("demo", "--device", "cuda")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "fxsplit demo: error: --device cuda: torch sees no CUDA or ROCm device here (a CPU build "
+        "of torch, or no GPU); use --device cpu\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--device", "gpu"], "argument --device: invalid choice: 'gpu' (choose from"),
+        (["--tp", "2", "--device", "cuda"], "--tp runs on CPU processes (gloo); drop --device"),
+    ],
+)
+def test_demo_bad_device_exits_2(argv, said):
+    done = _cli("demo", *argv)
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+def test_a_variant_that_fails_is_a_row_saying_so_and_the_table_goes_on(monkeypatch):
+    """The first GPU run saw transformers' compiled forward with a StaticCache raise on torch
+    2.11: one variant's error must not cost the user the rest of the table."""
+
+    def decode(variant, device, steps, options):
+        if variant == "fxsplit v2":
+            raise RuntimeError("the capture failed\nwith more lines")
+        return [torch.ones(1, 4)] * steps, 2.0, 0
+
+    rows = demo_speed._model_rows("Llama", decode, "cpu", 3, "emulate", "eager", lambda s: {})
+    assert [(r.variant, r.error) for r in rows] == [
+        ("eager", None),
+        ("fxsplit v1", None),
+        ("fxsplit v2", "RuntimeError: the capture failed"),
+    ]
+    cells = demo_speed.table_rows(rows, allowed=0.0)
+    assert cells[-1] == (("Llama", "fxsplit v2", "-", "-", "failed", "-", "NO"), False)
+    assert "Llama, fxsplit v2 failed: RuntimeError: the capture failed" in demo_speed.notes(
+        rows, "cpu", 3, 0.0
+    )
+
+    def eager_fails(variant, device, steps, options):
+        raise ValueError("no baseline")
+
+    with pytest.raises(ValueError, match="no baseline"):  # nothing to compare with
+        demo_speed._model_rows("Llama", eager_fails, "cpu", 3, "emulate", "eager", lambda s: {})

@@ -59,3 +59,17 @@ def test_the_readme_is_an_entry_page():
     assert len(readme.splitlines()) < 300
     linked = {target.partition("#")[0] for target in _links(REPO / "README.md")}
     assert {f"docs/{p.name}" for p in PAGES[1:]} <= linked
+
+
+def test_every_counter_has_one_definition_the_docs_repeat():
+    """docs/capture.md's counter table is ``fxsplit.counters.DEFINITIONS``, row for row, and
+    the demo's legend says the counters it shows in the same words."""
+    from fxsplit import counters
+    from fxsplit.tools import demo
+
+    page = (REPO / "docs" / "capture.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\w+)` \| (.*) \|$", page.split("## Counters", 1)[1], re.MULTILINE)
+    assert dict(rows) == counters.DEFINITIONS and len(rows) == len(counters.NAMES)
+    legend = dict(demo.LEGEND)
+    for word, name in [("captures", "captures"), ("uncaptured", "uncaptured_runs")]:
+        assert legend[word] == counters.DEFINITIONS[name]

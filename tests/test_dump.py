@@ -345,7 +345,7 @@ def test_picture_of_many_pieces_is_drawn(tmp_path):
 
 def test_runtime_stats(tmp_path):
     folder = _tiny_dump(tmp_path)
-    assert "id=runtime" not in (folder / "report.html").read_text()
+    assert "Run time" not in (folder / "report.html").read_text()  # no empty section
     stats = {
         "piece_0": {"T=4": {"captures": 1, "replays": 9, "uncaptured_runs": 1}},
         "piece_2": {
@@ -357,7 +357,8 @@ def test_runtime_stats(tmp_path):
     saved = json.loads((folder / "runtime.json").read_text())
     assert saved["pieces"] == stats
     html = (folder / "report.html").read_text()
-    assert "id=runtime" in html and "input_copy_bytes" in html and "1024" in html
+    assert "<h2>Run time</h2>" in html and "id=runtime" in html
+    assert "input_copy_bytes" in html and "1024" in html
     summary = "2 captured pieces, 25 calls: 20 replays (80 %), 3 captures, 2 uncaptured runs"
     assert f'<p id="replays">fxsplit graph_0: {summary}</p>' in html
     with pytest.raises(TypeError, match="piece_0"):
@@ -467,7 +468,9 @@ def test_cli_dump_deepseek_v4(tmp_path, capsys, monkeypatch):
     assert data["num_eager"] == 2 and all(
         "region:attn_prep" in p["reasons"] for p in data["pieces"] if p["kind"] == "eager"
     )
-    assert (folder / "report.html").is_file()
+    # planned without running captured: the report has no run-time section to leave empty
+    assert "<h2>Plan</h2>" in (folder / "report.html").read_text()
+    assert "Run time" not in (folder / "report.html").read_text()
 
 
 def test_cli_dump_llama_splitting_op(tmp_path, capsys, monkeypatch):
@@ -485,7 +488,7 @@ def test_cli_dump_llama_splitting_op(tmp_path, capsys, monkeypatch):
 def test_cli_diff_deepseek_v4_moves_attn_prep(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     argv = ["diff", "fxsplit.models.deepseek_v4:example", "--runner", "v1", "--runner", "v2"]
-    assert cli.main(argv) == 0
+    assert cli.main([*argv, "--nodes"]) == 0
     out = capsys.readouterr().out
     # the grouped table: attention input preparation moved from eager (v1) to captured (v2)
     assert re.search(r"│ attn_prep\s*│ eager\s*│ captured\s*│\s*\d+\s*│ region:attn_prep", out)
@@ -500,13 +503,33 @@ def test_cli_diff_without_runners_compares_v1_and_v2(capsys, monkeypatch):
     assert "A (runner v1)" in out and "B (runner v2)" in out
 
 
-def test_cli_diff_tiny_summary(capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")
-    argv = ["diff", "tests.test_dump:tiny_factory", "--runner", "v1", "--runner", "v2"]
-    assert cli.main([*argv, "--summary"]) == 0
-    out = capsys.readouterr().out
+@pytest.mark.parametrize("flags", [[], ["--summary"]])  # --summary: the default, still taken
+def test_cli_diff_prints_the_summary_and_offers_the_node_table(flags):
+    """As a user runs it: pieces side by side and moves by region, then one line saying how
+    to see each moved node (before, every moved node was a row: 146 for DeepSeek-V4)."""
+    argv = ["diff", "tests.test_dump:tiny_factory", "--runner", "v1", "--runner", "v2", *flags]
+    env = {**os.environ, "COLUMNS": "200"}
+    done = _cli(argv, env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
     assert "3 nodes moved" in out and "moved nodes by region" in out
-    assert "unsqueeze" not in out  # no node table
+    assert "graph_0: moved nodes\n" not in out and "unsqueeze" not in out  # no node table
+    assert out.endswith("Each of the 3 moved nodes, with its reasons: add --nodes\n")
+    done = _cli([*argv, "--nodes"], env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "graph_0: moved nodes\n" in done.stdout and "unsqueeze" in done.stdout
+    assert "add --nodes" not in done.stdout
+
+
+def _cli(argv: list[str], env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fxsplit.tools.cli", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=scaled(300),
+    )
 
 
 @pytest.mark.parametrize("command", ["dump", "diff"])
@@ -523,7 +546,7 @@ def test_cli_piped_fits_100_columns_and_cuts_no_word(command, tmp_path, capsys, 
 
     monkeypatch.setattr(cli, "_console", recording)
     argv = [command, "fxsplit.models.deepseek_v4:example", "--runner", "v1"]
-    argv += ["--out", "d"] if command == "dump" else ["--runner", "v2"]
+    argv += ["--out", "d"] if command == "dump" else ["--runner", "v2", "--nodes"]
     assert cli.main(argv) == 0
     (console,) = consoles
     assert console.width == 100

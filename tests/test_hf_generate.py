@@ -5,6 +5,10 @@ the README shows; compiling the model object compiles nothing ``generate`` runs.
 from __future__ import annotations
 
 import copy
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ import torch
 import fxsplit
 from fxsplit import counters
 from fxsplit.models import hf_architectures
+from tests.timeouts import scaled
 
 if not hf_architectures.available():
     pytest.skip("needs transformers >= 5.8.1", allow_module_level=True)
@@ -19,6 +24,8 @@ if not hf_architectures.available():
 from transformers import CompileConfig, StaticCache
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ARCHITECTURE = "LlamaForCausalLM"
 OPTIONS = {"runner": "v2", "capture": "emulate", "input_binding": "copy"}
@@ -94,3 +101,26 @@ def test_a_static_cache_made_in_the_compiled_prefill_is_right_on_every_generate(
             got = model.generate(prompt, cache=_cache(model), **GENERATE)
             assert torch.equal(got, want), call
     assert counters.snapshot()["replays"] > 0
+
+
+def test_readme_generate_script_says_each_way_matched_eager_and_replayed():
+    """The README's ``generate()`` script, run as a user would (a fresh process): its output
+    shows that it worked, one line per way (it printed only the counters summed over both)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Hugging Face transformers", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=scaled(300),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["way 1", "way 2"], done.stdout
+    for line in lines:
+        said = re.fullmatch(r"way \d: tokens as eager: True; captures (\d+), replays (\d+)", line)
+        assert said and int(said.group(2)) > 0, line
+    prose = " ".join(section.split())
+    assert all(f"`{line}`" in prose for line in lines), (lines, "the README quotes other lines")

@@ -58,7 +58,8 @@ class DeviceCapture:
         with torch.cuda.device(index):
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream), warnings.catch_warnings():
-                # empty on purpose: torch's "The CUDA Graph is empty" is not the user's to see
+                # empty on purpose; torch warns of every empty graph, once per pool (cudagraph
+                # trees silence their keeper the same way)
                 warnings.filterwarnings("ignore", _EMPTY)
                 keeper.capture_begin(pool=self.pool, capture_error_mode="thread_local")
                 keeper.capture_end()

@@ -4,45 +4,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 import sys
-from collections.abc import Mapping
 
 import fxsplit
-from fxsplit.tools.cli_checks import UsageError, check_factory, check_options, check_runner
-
-
-def _load_factory(spec: str):
-    """Import ``MODULE:FACTORY`` (the current directory is importable, as with ``python -m``)."""
-    module_name, attr = check_factory(spec)
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise UsageError(f"cannot import module {module_name!r}: {error}") from None
-    factory = module
-    for atom in attr.split("."):
-        try:
-            factory = getattr(factory, atom)
-        except AttributeError:
-            raise UsageError(f"module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(factory):
-        raise UsageError(f"{spec} is not callable (got {type(factory).__name__})")
-    return factory
-
-
-def _call_factory(spec: str, factory):
-    made = factory()
-    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
-        raise UsageError(f"{spec}() must return (model, example_inputs), got {type(made).__name__}")
-    model, inputs = made
-    if isinstance(inputs, Mapping):
-        return model, (), dict(inputs)
-    if not isinstance(inputs, (tuple, list)):
-        inputs = (inputs,)
-    return model, tuple(inputs), {}
+from fxsplit.tools import factory as factories
+from fxsplit.tools.cli_checks import (
+    UsageError,
+    check_factory,
+    check_options,
+    check_runner,
+    unknown_arguments,
+)
 
 
 def _options(text: str | None, runner: str | None) -> dict:
@@ -96,7 +69,7 @@ def _compile(spec: str, factory, options: dict):
         codes.append((code, list(example_inputs)))
         return backend(gm, example_inputs, **kwargs)
 
-    model, args, kwargs = _call_factory(spec, factory)
+    model, args, kwargs = factories.call(spec, factory)
     torch._dynamo.reset()
     with _warnings_at(factory):
         with _no_env_dump_dir(), torch.no_grad():
@@ -139,7 +112,7 @@ def _console():
 def _dump(args) -> int:
     from fxsplit.tools.dump import plan_table, sharing_lines, write_dump
 
-    factory = _load_factory(args.factory)
+    factory = factories.load(args.factory)
     name, records = _compile(args.factory, factory, _options(args.options, args.runner))
     console = _console()
     for split, code, inputs in records:
@@ -159,13 +132,20 @@ def _diff(args) -> int:
     runners = args.runner or ["v1", "v2"]
     if len(runners) != 2:
         raise UsageError(f"diff takes --runner exactly twice (A and B), got {len(runners)}")
-    factory = _load_factory(args.factory)
+    factory = factories.load(args.factory)
     compiled = [
         _compile(args.factory, factory, _options(args.options, runner))[1] for runner in runners
     ]
     console = _console()
+    moved = 0
     for (a, _, _), (b, _, _) in zip(*compiled, strict=False):
-        print_diff(console, diff_splits(a, b), nodes=not args.summary)
+        diff = diff_splits(a, b)
+        print_diff(console, diff, nodes=args.nodes)
+        moved += len(diff.moved)
+    if moved and not args.nodes:
+        console.print(
+            f"Each of the {moved} moved nodes, with its reasons: add --nodes", highlight=False
+        )
     if len(compiled[0]) != len(compiled[1]):
         console.print(
             f"A compiled {len(compiled[0])} graphs, B {len(compiled[1])}: only the first "
@@ -207,7 +187,11 @@ def _demo(args) -> int:
         except (ValueError, ImportError) as error:
             raise UsageError(str(error)) from None
     try:
-        return demo.run(args.model, compile_pieces=args.compile_pieces)
+        device = demo.check_device(args.device or demo.default_device())
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    try:
+        return demo.run(args.model, compile_pieces=args.compile_pieces, device=device)
     except ModuleNotFoundError as error:
         if args.model is None:
             raise
@@ -227,12 +211,20 @@ def _check_before_torch(args) -> None:
             check_runner(name, module)
 
 
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    # argparse keeps its options only in ``_actions`` (private, and there since Python 2.7)
+    return [flag for action in parser._actions for flag in action.option_strings]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fxsplit``; returns the exit status (2: bad command line)."""
     parser = argparse.ArgumentParser(prog="fxsplit", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fxsplit {fxsplit.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_help = "compile the reference models under runners v1 and v2 and compare with eager"
+    demo_help = (
+        "compile the reference models under runners v1 and v2 and compare with eager, then "
+        "decode with eager, fxsplit and reduce-overhead side by side"
+    )
     demo_parser = commands.add_parser("demo", help=demo_help, description=demo_help)
     demo_parser.add_argument(
         "--compile-pieces",
@@ -247,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="instead: DeepSeek-V4 decode tensor-parallel over N CPU processes (gloo, capture "
         "emulated) under v1 and v2, each rank compared with the single-process model",
+    )
+    demo_parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="where to run: cuda (CUDA graphs; the decode table adds reduce-overhead) or cpu "
+        "(capture emulated); default: cuda where torch sees a GPU",
     )
     demo_parser.add_argument(
         "--model",
@@ -275,8 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     diff.add_argument("--options", default=None, help=options_help + " (both plans)")
     diff.add_argument(
-        "--summary", action="store_true", help="only pieces and moves by region, no node table"
+        "--nodes",
+        action="store_true",
+        help="also a table of every moved node (its regions, kind and piece under A and B, "
+        "the reasons on each side); by default only the pieces and the moves by region",
     )
+    # The default since the node table became --nodes; kept so that scripts passing it still run.
+    diff.add_argument("--summary", action="store_true", help=argparse.SUPPRESS)
     cache_parser = commands.add_parser(
         "cache",
         # a help line without hyphens: argparse wraps words at them ("--cache-" / "dir")
@@ -291,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         "delete them",
     )
     cache_parser.add_argument("--cache-dir", default=None, help="the cache folder")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = commands.choices[args.command]
+        command.error(unknown_arguments(unknown, _flags(parser) + _flags(command)))  # exits 2
     if args.command == "cache":
         return _cache(args)
     if args.command == "demo" and args.tp is not None:
@@ -302,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"fxsplit demo: error: --tp runs the DeepSeek-V4 reference model only; drop "
                 f"--model {args.model} (or --tp)",
+                file=sys.stderr,
+            )
+            return 2
+        if args.device == "cuda":
+            print(
+                "fxsplit demo: error: --tp runs on CPU processes (gloo); drop --device cuda "
+                "(or --tp)",
                 file=sys.stderr,
             )
             return 2

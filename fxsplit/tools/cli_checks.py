@@ -1,10 +1,10 @@
 """The ``fxsplit`` command's arguments checked before anything imports torch.
 
 Importing torch (and the user's model module, which imports it) takes seconds, tens of them on a
-busy machine: a typo in ``MODULE:FACTORY``, ``--options`` or ``--runner`` is answered before
-that, in the words :class:`fxsplit.config.Config` would use. This module imports nothing heavy,
-so it holds the few facts it needs itself (the option names, the values of the options with a
-fixed set of them, the built-in runners); ``tests/test_cli_checks.py`` keeps them equal to
+busy machine: a typo in a flag, ``MODULE:FACTORY``, ``--options`` or ``--runner`` is answered
+before that, in the words :class:`fxsplit.config.Config` would use. This module imports nothing
+heavy, so it holds the few facts it needs itself (the option names, the values of the options
+with a fixed set of them, the built-in runners); ``tests/test_cli_checks.py`` keeps them equal to
 ``fxsplit.config`` and ``fxsplit.runners``, whose full validation still runs after the import.
 """
 
@@ -124,9 +124,34 @@ def check_runner(name: str, module: str) -> None:
     close = difflib.get_close_matches(name.strip().lower(), BUILTIN_RUNNERS, n=1, cutoff=0.5)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise UsageError(
-        f"unknown runner {name!r}; built-in runners: {', '.join(BUILTIN_RUNNERS)}{hint} "
-        f"(module {module} does not name it, so it cannot register it either)"
+        f"unknown runner {name!r} (not built in, and module {module}, which could register "
+        f"it, never names it); built-in runners: {', '.join(BUILTIN_RUNNERS)}{hint}"
     )
+
+
+def unknown_arguments(unknown: list[str], flags: list[str]) -> str:
+    """argparse's message for the arguments no option of the command takes, with the flag
+    meant for each unknown one close to one of ``flags`` (argparse suggests close values of
+    choices, never close flags).
+
+    Args:
+        unknown: the arguments argparse left over, in command-line order.
+        flags: every option string of the command (``--runner``, ``-h``, ...).
+    """
+    meant: dict[str, str] = {}
+    for arg in unknown:
+        name = arg.partition("=")[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, flags, n=1)
+            if close:
+                meant[name] = close[0]
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    if len(meant) == 1:
+        return f"{message}; did you mean {next(iter(meant.values()))}?"
+    if meant:
+        each = ", ".join(f"{flag} for {name}" for name, flag in meant.items())
+        return f"{message}; did you mean {each}?"
+    return message
 
 
 def _problem(key: str, value: Any) -> str | None:

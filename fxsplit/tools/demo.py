@@ -1,4 +1,5 @@
-"""``fxsplit demo``: the main job, end to end on CPU (capture emulated) or CUDA (captured).
+"""``fxsplit demo``: the main job, end to end on CUDA (captured; the default where torch sees a
+GPU) or on the CPU (capture emulated): ``--device`` chooses.
 
 1. The serving-style DeepSeek-V4 model (:mod:`fxsplit.models.deepseek_v4`) compiled with
    ``backend=fxsplit.Backend(...)`` under runners v1 and v2, decoding with changing batch sizes
@@ -14,17 +15,23 @@
    both runners, capture emulated (or CUDA), captured pieces on both sides of the indexer;
    prefill logits against eager for several sequence lengths, each plan labelled with the
    lengths it belongs to. Skipped, with the install command, where transformers is missing.
+4. Decode, eager against fxsplit (v1, v2) and ``torch.compile(mode="reduce-overhead")`` (CUDA
+   only), DeepSeek-V4 and transformers' Llama side by side: tokens compared, ms per token and
+   the speed-up in one table (:mod:`fxsplit.tools.demo_speed`).
 
 ``fxsplit demo --model <Architecture>`` runs instead one transformers architecture of
 :mod:`fxsplit.models.hf_architectures` (tiny config, prefill and decode steps with a KV cache)
 under its default runner and the other one, and compares every step's logits with eager.
 
 The default runner of each model (:func:`fxsplit.runners.default_runner`) is marked; one line
-per counter says what it counts. Lists in table cells go one item per line and headers wrap at
-spaces, so no word is cut at 80 columns.
+per counter says what it counts. With ``FXSPLIT_DUMP_DIR`` set, each section dumps its graphs in
+a folder named after it (``deepseek_decode_v1``, ``v1_narrow_region``, ...), which it names.
+Lists in table cells go one item per line and headers wrap at spaces, so no word is cut at 80
+columns.
 
 Every comparison must match exactly (the split and the replay change no number), or within
-:data:`COMPILED_TOLERANCE` where pieces are compiled or run on CUDA (the demo says which, once);
+:data:`COMPILED_TOLERANCE` where pieces are compiled or run on CUDA (the demo says which, once;
+the decode table allows Llama :data:`fxsplit.tools.demo_speed.ALLOWED` beside it);
 the exit status is 1 if one does not.
 """
 
@@ -41,9 +48,11 @@ from rich.table import Table
 import fxsplit
 from fxsplit import capture_off
 from fxsplit.config import Config
+from fxsplit.counters import DEFINITIONS
 from fxsplit.models import deepseek_v4, hf_architectures, hf_deepseek_v4
 from fxsplit.passes.modules import module_path
 from fxsplit.plan import SplitPlan
+from fxsplit.tools import demo_speed
 from fxsplit.tools.dump import plan_table, titled
 
 STEPS = (4, 4, 3, 4, 5, 3, 2, 4, 6, 4)
@@ -57,17 +66,35 @@ DECODE_STEPS = 6
 LEGEND = (
     ("graph_<n>", "the n-th graph Dynamo compiled; in brackets: its step or lengths"),
     ("plan <k>", "the k-th distinct prefill split (each length compiles afresh)"),
-    ("captures", "captured pieces recorded as a CUDA graph (emulated on CPU)"),
-    ("replays", "captured pieces run by replaying their recorded graph"),
-    ("uncaptured", "pieces run without a graph (warm-up, a size seen first)"),
-    ("input copies", "new tensors copied into the buffers a recorded graph reads"),
+    ("captures", DEFINITIONS["captures"]),
+    ("replays", DEFINITIONS["replays"]),
+    ("uncaptured", DEFINITIONS["uncaptured_runs"]),
+    ("input copies", DEFINITIONS["input_copies"]),
     ("warmup_runs", "0 for the prefill: its 1st call captures (default 1: the 2nd)"),
 )
-"""What the tables' words and counters mean, one line each."""
+"""What the tables' words and counters mean, one line each (the counters' as
+:data:`fxsplit.counters.DEFINITIONS` defines them)."""
 
 
-def _capture_mode() -> tuple[str, str]:
-    return ("cuda", "cuda") if torch.cuda.is_available() else ("emulate", "cpu")
+DEVICES = ("cuda", "cpu")
+
+
+def default_device() -> str:
+    """``"cuda"`` where torch sees a CUDA or ROCm device, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _capture_mode(device: str) -> str:
+    """The ``capture`` option the demo passes on ``device``: CUDA graphs on a GPU, the CPU
+    capture emulator elsewhere."""
+    return "cuda" if device == "cuda" else "emulate"
+
+
+def _dumps(section: str) -> dict[str, str]:
+    """``{"dump_dir": <dump root>/<section>}`` where dumps are asked for (``FXSPLIT_DUMP_DIR``),
+    so that each section's graphs are dumped in a folder named after it; else ``{}``."""
+    root = Config().dump_folder
+    return {"dump_dir": str(Path(root) / section)} if root else {}
 
 
 # Inductor fuses and reorders fp32 reductions, and CUDA may pick other kernels than eager.
@@ -79,10 +106,14 @@ def _compiles(compile_pieces: str, device: str) -> bool:
     return compile_pieces == "inductor" or (compile_pieces == "auto" and device == "cuda")
 
 
+def _allowed(device: str, compiled: bool) -> float:
+    """The largest difference from eager a comparison allows: none where pieces run the graph's
+    own ops on the CPU (bit for bit), :data:`COMPILED_TOLERANCE` otherwise."""
+    return 0.0 if device == "cpu" and not compiled else COMPILED_TOLERANCE
+
+
 def _close(diff: float, device: str, compiled: bool) -> bool:
-    # Bitwise where pieces run the graph's own ops on the CPU.
-    exact = device == "cpu" and not compiled
-    return diff == 0.0 if exact else diff <= COMPILED_TOLERANCE
+    return diff <= _allowed(device, compiled)
 
 
 def _equal(got: torch.Tensor, want: torch.Tensor, compiled: bool) -> tuple[bool, float]:
@@ -124,16 +155,18 @@ class _Decode:
     compiled_at: dict[str, int]
 
 
-def _decode(runner: str, compile_pieces: str, eager_regions=None, steps=None) -> _Decode:
-    """Compile the reference DeepSeek-V4 model and decode ``steps`` (batch sizes; the demo's
-    :data:`STEPS` when None)."""
+def _decode(
+    runner: str, compile_pieces: str, device: str, section: str, eager_regions=None, steps=None
+) -> _Decode:
+    """Compile the reference DeepSeek-V4 model on ``device`` and decode ``steps`` (batch sizes;
+    the demo's :data:`STEPS` when None); dumps go to the folder of ``section``."""
     steps = STEPS if steps is None else steps
-    mode, device = _capture_mode()
     torch._dynamo.reset()
     persistent = fxsplit.runners.get(runner).persistent_inputs
     model = deepseek_v4.build().to(device)
     reference = deepseek_v4.clone_model(model)
-    options = {"runner": runner, "capture": mode, "compile_pieces": compile_pieces}
+    options = {"runner": runner, "capture": _capture_mode(device), "compile_pieces": compile_pieces}
+    options.update(_dumps(section))
     if eager_regions is not None:
         options["eager_regions"] = eager_regions
     backend = fxsplit.Backend(**options)
@@ -195,12 +228,14 @@ def _copies_line(backend: fxsplit.Backend) -> str:
     return f"input copies of all steps, by value: {names}"
 
 
-def _deepseek(console: Console, runner: str, compile_pieces: str) -> bool:
+def _deepseek(console: Console, runner: str, compile_pieces: str, device: str) -> bool:
     persistent = fxsplit.runners.get(runner).persistent_inputs
     metadata = "persistent buffers" if persistent else "fresh tensors each step"
     label = _runner_label(runner, DEEPSEEK)
-    run = _decode(runner, compile_pieces)
+    section = f"deepseek_decode_{runner}"
+    run = _decode(runner, compile_pieces, device, section)
     console.print(f"DeepSeek-V4 reference model, decode, {label}", highlight=False)
+    _dump_line(console, section)
     for plan in run.backend.plans:
         console.print(plan_table(plan, _plan_title(plan, f"step {run.compiled_at[plan.graph_id]}")))
     title = f"DeepSeek-V4 decode, {label}; metadata: {metadata}"
@@ -266,15 +301,16 @@ def _tolerance_line(compile_pieces: str, device: str) -> str:
     return f"{what}, allowed up to {COMPILED_TOLERANCE:g} ({why})"
 
 
-def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
+def _narrow_vs_wide(console: Console, compile_pieces: str, device: str) -> bool:
     title = "Runner v1 (fresh metadata each step): why the wide eager region"
     table = Table()
     for column in ("plan", "eager regions", "equal to eager", "metadata copies", "other copies"):
         table.add_column(column)
     ok = True
     others: dict[str, None] = {}
-    for label, regions in (("wide (v1's)", None), ("narrow", ["sparse_indexer", "attention"])):
-        run = _decode("v1", compile_pieces, regions)
+    wide, narrow = ("wide (v1's)", "v1_wide_region"), ("narrow", "v1_narrow_region")
+    for (label, section), regions in ((wide, None), (narrow, ["sparse_indexer", "attention"])):
+        run = _decode("v1", compile_pieces, device, section, regions)
         good = all(step_ok for _, step_ok, _, _ in run.rows)
         copies = sum(delta["input_copies"] for *_, delta in run.rows)
         meta = _metadata_copies(run.backend)
@@ -283,6 +319,8 @@ def _narrow_vs_wide(console: Console, compile_pieces: str) -> bool:
         table.add_row(label, names, "yes" if good else "NO", str(meta), str(copies - meta))
         others.update(dict.fromkeys(n for n in _copied(run.backend) if n not in METADATA))
     console.print(titled(title, table))
+    for _, section in (wide, narrow):
+        _dump_line(console, section)
     console.print(f"metadata copies: copies of {', '.join(METADATA)}", highlight=False)
     _print_wrapped(console, f"other copies: copies of {', '.join(others) or 'nothing'}")
     return ok
@@ -302,8 +340,7 @@ def _prefill_table(compiles: bool) -> Table:
     return table
 
 
-def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
-    mode, device = _capture_mode()
+def _hf(console: Console, runner: str, compile_pieces: str, device: str) -> bool:
     label = _runner_label(runner, DEEPSEEK)
     title = f"transformers {DEEPSEEK} prefill, {label}"
     table = _prefill_table(_compiles(compile_pieces, device))
@@ -318,7 +355,11 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
         # transformers marks no region: the built-in presets find the indexer and the rotary
         # embeddings (attention input preparation: eager under v1, captured under v2).
         backend = fxsplit.Backend(
-            runner=runner, capture=mode, warmup_runs=0, compile_pieces=compile_pieces
+            runner=runner,
+            capture=_capture_mode(device),
+            warmup_runs=0,
+            compile_pieces=compile_pieces,
+            **_dumps(f"transformers_prefill_{runner}/seq_len_{seq_len}"),
         )
         compiled = torch.compile(model, backend=backend)
         with torch.no_grad():
@@ -351,6 +392,7 @@ def _hf(console: Console, runner: str, compile_pieces: str) -> bool:
             "yes" if good else "NO",
         )
     console.print(f"transformers {DEEPSEEK}, prefill, {label}", highlight=False)
+    _dump_line(console, f"transformers_prefill_{runner}/seq_len_<n>")
     for k, (plan, lengths) in enumerate(plans.values(), 1):
         when = f"seq_len {', '.join(map(str, lengths))}"
         console.print(plan_table(plan, f"plan {k}: {_plan_title(plan, when)}"))
@@ -369,19 +411,22 @@ class _ModelRun:
     rows: list[tuple[str, float, dict[str, int]]]
 
 
-def _model_run(architecture: str, runner: str, compile_pieces: str) -> _ModelRun:
-    """Prefill and decode ``architecture``'s tiny model with a ``DynamicCache``, compiled and
-    eager, step by step."""
+def _model_run(architecture: str, runner: str, compile_pieces: str, device: str) -> _ModelRun:
+    """Prefill and decode ``architecture``'s tiny model with a ``DynamicCache`` on ``device``,
+    compiled and eager, step by step."""
     from transformers import DynamicCache
 
-    mode, device = _capture_mode()
     model = hf_architectures.build(architecture).to(device)
     ids = [t.to(device) for t in hf_architectures.token_ids(model, DECODE_STEPS)]
     want = hf_architectures.decode(model, model.config, ids)
     torch._dynamo.reset()
     # transformers' loop hands a fresh input_ids tensor every step: copied, under v2 too
     backend = fxsplit.Backend(
-        runner=runner, capture=mode, compile_pieces=compile_pieces, input_binding="copy"
+        runner=runner,
+        capture=_capture_mode(device),
+        compile_pieces=compile_pieces,
+        input_binding="copy",
+        **_dumps(f"{architecture}_{runner}"),
     )
     compiled = torch.compile(model, backend=backend)
     cache = DynamicCache(config=model.config)
@@ -401,16 +446,16 @@ def _model_run(architecture: str, runner: str, compile_pieces: str) -> _ModelRun
     return run
 
 
-def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
+def _model(console: Console, architecture: str, compile_pieces: str, device: str) -> bool:
     """One transformers architecture under its default runner and the other one."""
-    mode, device = _capture_mode()
     listed = hf_architectures.ARCHITECTURES[architecture].stands_for or architecture
     first = fxsplit.runners.default_runner(listed)
     ok = True
     for runner in (first, "v2" if first == "v1" else "v1"):
-        run = _model_run(architecture, runner, compile_pieces)
+        run = _model_run(architecture, runner, compile_pieces, device)
         label = _runner_label(runner, listed)
-        console.print(f"{architecture}, {label}, capture {mode}", highlight=False)
+        console.print(f"{architecture}, {label}, capture {_capture_mode(device)}", highlight=False)
+        _dump_line(console, f"{architecture}_{runner}")
         for plan in run.plans:
             console.print(plan_table(plan, _plan_title(plan, run.compiled_at[plan.graph_id])))
         prefill = hf_architectures.PREFILL_LEN
@@ -428,6 +473,38 @@ def _model(console: Console, architecture: str, compile_pieces: str) -> bool:
     return ok
 
 
+def _speed(console: Console, compile_pieces: str, device: str) -> bool:
+    """The decode table (:mod:`fxsplit.tools.demo_speed`); True when fxsplit's rows match
+    eager."""
+    steps = demo_speed.STEPS[device]
+    rows = demo_speed.measure(device, _capture_mode(device), compile_pieces, steps, _dumps)
+    allowed = _allowed(device, _compiles(compile_pieces, device))
+    table = Table(pad_edge=False)
+    table.add_column("model", no_wrap=True)
+    table.add_column("variant", no_wrap=True)
+    for column in ("tokens as eager", "max diff", "ms per token", "speed-up"):
+        table.add_column(column, justify="right")
+    table.add_column("ok")
+    ok = True
+    for cells, good in demo_speed.table_rows(rows, allowed):
+        table.add_row(*cells)
+        ok &= good
+    where = torch.cuda.get_device_name(0) if device == "cuda" else "the CPU"
+    against = "fxsplit and reduce-overhead" if device == "cuda" else "fxsplit"
+    console.print(titled(f"Decode on {where}: eager against {against}", table))
+    for line in demo_speed.notes(rows, device, steps, allowed):
+        _print_wrapped(console, line)
+    _dump_line(console, "decode_<model>_<variant>")
+    return ok
+
+
+def _dump_line(console: Console, section: str) -> None:
+    """Where ``section``'s graphs are dumped, where dumps are asked for."""
+    folder = _dumps(section).get("dump_dir")
+    if folder:
+        _print_wrapped(console, f"dump folders: {Path(folder).resolve()}")
+
+
 def print_legend(console: Console, legend: tuple[tuple[str, str], ...] = LEGEND) -> None:
     """Print ``legend`` (``(word, meaning)`` pairs; default :data:`LEGEND`), one line per
     word."""
@@ -437,20 +514,27 @@ def print_legend(console: Console, legend: tuple[tuple[str, str], ...] = LEGEND)
 
 
 def run(
-    model: str | None = None, compile_pieces: str = "auto", console: Console | None = None
+    model: str | None = None,
+    compile_pieces: str = "auto",
+    console: Console | None = None,
+    device: str | None = None,
 ) -> int:
     """Run the demo, or with ``model`` (an architecture name of
     :mod:`fxsplit.models.hf_architectures`) that architecture only; returns the process exit
     status (0 when every comparison matched). ``compile_pieces`` is the option of that name
     (``"inductor"`` compiles the captured pieces; comparisons then allow
-    :data:`COMPILED_TOLERANCE`). Prints to ``console`` (a terminal-sized one when None).
+    :data:`COMPILED_TOLERANCE`). Runs on ``device`` (``"cuda"`` or ``"cpu"``; default
+    :func:`default_device`) and prints to ``console`` (a terminal-sized one when None). The
+    whole demo ends with the decode table of :mod:`fxsplit.tools.demo_speed`.
 
     Raises:
-        ValueError: an unknown architecture (the message lists the known ones).
+        ValueError: an unknown architecture (the message lists the known ones), or a device
+            other than "cuda" and "cpu", or "cuda" where torch sees none.
         ImportError: ``model`` given and transformers missing or lacking it.
     """
+    device = check_device(default_device() if device is None else device)
     console = console or Console()
-    mode, device = _capture_mode()
+    mode = _capture_mode(device)
     pieces = "Inductor" if _compiles(compile_pieces, device) else "generated Python"
     console.print(f"capture: {mode} on {device}; pieces: {pieces}; torch {torch.__version__}")
     why = capture_off.reason("auto", None if device == "cpu" else torch.device(device))
@@ -465,23 +549,45 @@ def run(
     _print_wrapped(console, _tolerance_line(compile_pieces, device))
     dumps = Config().dump_folder
     if dumps:
-        _print_wrapped(console, f"dump folders: one per compiled graph, in {Path(dumps).resolve()}")
+        _print_wrapped(
+            console,
+            f"dump folders: one per compiled graph, in {Path(dumps).resolve()}, in a folder per "
+            "section (its path under the section's title)",
+        )
     if model is not None:
-        ok = _model(console, model, compile_pieces)
+        ok = _model(console, model, compile_pieces, device)
         console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")
         return 0 if ok else 1
     ok = True
     for runner in ("v1", "v2"):
-        ok &= _deepseek(console, runner, compile_pieces)
-    ok &= _narrow_vs_wide(console, compile_pieces)
+        ok &= _deepseek(console, runner, compile_pieces, device)
+    ok &= _narrow_vs_wide(console, compile_pieces, device)
     if hf_deepseek_v4.available():
         for runner in ("v1", "v2"):
-            ok &= _hf(console, runner, compile_pieces)
+            ok &= _hf(console, runner, compile_pieces, device)
     else:
         _print_wrapped(
             console,
             "skipped the transformers section: it needs transformers >= 5.8.1 with "
             f"DeepseekV4ForCausalLM ({hf_deepseek_v4.INSTALL_HINT})",
         )
+    ok &= _speed(console, compile_pieces, device)
     console.print("[green]all comparisons passed[/]" if ok else "[red]a comparison FAILED[/]")
     return 0 if ok else 1
+
+
+def check_device(device: str) -> str:
+    """``device`` if the demo can run there.
+
+    Raises:
+        ValueError: not one of :data:`DEVICES`, or "cuda" where torch sees no CUDA or ROCm
+            device (the message names the fix).
+    """
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "--device cuda: torch sees no CUDA or ROCm device here (a CPU build of torch, or no "
+            "GPU); use --device cpu"
+        )
+    return device

@@ -3,9 +3,9 @@
 One file, no network and no external assets: inline CSS, the ``split.svg`` picture inlined when
 present, no script. It shows the plan table (piece, kind, ops, regions, reasons; rows coloured by
 kind), each eager piece's reasons, the picture, each piece's code in a collapsible ``<details>``
-with its inputs and outputs (shapes, dtypes), the stitched and Dynamo code, and the run-time
-figures of ``runtime.json`` when :func:`fxsplit.tools.dump.write_runtime_stats` wrote one (a
-counter missing for a capture key shows as 0).
+with its inputs and outputs (shapes, dtypes), the stitched and Dynamo code, and, in a "Run time"
+section only when :func:`fxsplit.tools.dump.write_runtime_stats` wrote ``runtime.json``, its
+figures (a counter missing for a capture key shows as 0).
 Everything taken from the dump is escaped with :func:`html.escape`.
 """
 
@@ -143,13 +143,13 @@ def _pieces(folder: Path, plan: dict) -> str:
     return "\n".join(out)
 
 
-def _runtime(folder: Path, plan: dict) -> str:
+def _runtime(folder: Path, plan: dict) -> list[str]:
+    """The "Run time" section, or none where ``runtime.json`` is missing: a graph dumped by
+    ``fxsplit dump`` or with capture off never runs captured, and an empty section only said
+    so."""
     text = _read(folder, "runtime.json")
     if text is None:
-        return (
-            '<p class="muted">No run-time figures recorded for this graph (runtime.json is '
-            "written when the capture runtime reports them).</p>"
-        )
+        return []
     stats = json.loads(text).get("pieces", {})
     extra = sorted({c for keys in stats.values() for cs in keys.values() for c in cs})
     counters = [c for c in RUNTIME_COUNTERS if c in extra] + [
@@ -174,7 +174,7 @@ def _runtime(folder: Path, plan: dict) -> str:
                 f"{escape(kind)}</td><td><code>{escape(key)}</code></td>{cells}</tr>"
             )
     rows.append("</tbody></table>")
-    return "\n".join(rows)
+    return ["<h2>Run time</h2>", "\n".join(rows)]
 
 
 def _compiled(folder: Path) -> str:
@@ -246,8 +246,7 @@ def render(folder: str | os.PathLike) -> str:
         _eager_reasons(plan),
         "<h2>Picture</h2>",
         _picture(folder),
-        "<h2>Run time</h2>",
-        _runtime(folder, plan),
+        *_runtime(folder, plan),
         "<h2>Compiled pieces</h2>",
         _compiled(folder),
         "<h2>Pieces</h2>",
