@@ -34,11 +34,13 @@ _LAZY = {
     "CaptureError": "fxsplit.runtime.emulator",
     "CaptureRefusedError": "fxsplit.runtime.captured",
     "ConcurrentCallError": "fxsplit.runtime.session",
+    "HostValueChangedError": "fxsplit.runtime.emulator",
     "Config": "fxsplit.config",
     "Piece": "fxsplit.plan",
     "RankMismatchError": "fxsplit.distributed",
     "SplitPlan": "fxsplit.plan",
     "StaleOutputError": "fxsplit.runtime.output_lifetime",
+    "StateMovedError": "fxsplit.runtime.emulator",
     "VerifyError": "fxsplit.runtime.verify",
     "explain": "fxsplit.explain",
 }
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER, region
     from fxsplit.runtime.binding import BindingError
     from fxsplit.runtime.captured import CaptureRefusedError
-    from fxsplit.runtime.emulator import CaptureError
+    from fxsplit.runtime.emulator import CaptureError, HostValueChangedError, StateMovedError
     from fxsplit.runtime.output_lifetime import StaleOutputError
     from fxsplit.runtime.session import ConcurrentCallError
     from fxsplit.runtime.verify import VerifyError
@@ -86,10 +88,12 @@ __all__ = [
     "Config",
     "FxsplitRuntimeWarning",
     "FxsplitWarning",
+    "HostValueChangedError",
     "Piece",
     "RankMismatchError",
     "SplitPlan",
     "StaleOutputError",
+    "StateMovedError",
     "VerifyError",
     "counters",
     "explain",

@@ -19,7 +19,14 @@ import functools
 import torch
 from torch.fx import Node
 
-__all__ = ["NAMESPACE", "group_name", "is_collective", "is_collective_node", "is_wait_node"]
+__all__ = [
+    "NAMESPACE",
+    "group_name",
+    "holds_until_wait",
+    "is_collective",
+    "is_collective_node",
+    "is_wait_node",
+]
 
 NAMESPACE = "_c10d_functional"
 _WAIT = "wait_tensor"
@@ -47,6 +54,14 @@ def is_collective(op: object) -> bool:
     """Whether ``op`` (an OpOverload or packet) issues a functional collective (not the wait)."""
     names = _namespace_and_name(op)
     return names is not None and names[0] == NAMESPACE and names[1] != _WAIT
+
+
+def holds_until_wait(op: object) -> bool:
+    """Whether ``op`` is a collective whose work handle holds its tensors until they are waited
+    for: a functional collective or the ``c10d`` op its kernel issues (torch registers the
+    process group's ops under ``c10d``). Such a hold is no kept argument."""
+    names = _namespace_and_name(op)
+    return names is not None and names[0] in (NAMESPACE, "c10d")
 
 
 def is_collective_node(node: Node) -> bool:

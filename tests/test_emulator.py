@@ -733,15 +733,30 @@ def test_a_failed_capture_puts_back_what_a_custom_op_wrote_outside_its_arguments
     assert torch.equal(_SLOTS["cache"], before)
 
 
-def test_a_custom_op_touching_only_its_arguments_replays_unchecked():
-    """Only ops that touched state outside their arguments pay for the check."""
+@torch.library.custom_op("fxsplit_emutest::square", mutates_args=())
+def _square(x: torch.Tensor) -> torch.Tensor:
+    return x * x
+
+
+@_square.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_custom_op_reading_only_its_arguments_replays_unchecked():
+    """Only ops that touched state outside their arguments, or whose aten ops were called with
+    host values (``x + 1``: the 1 could be a Python value read from anywhere), pay for the
+    check."""
     x = torch.randn(4)
     g = EmulatedGraph()
-    out = g.capture(lambda t: _plus_one(t) * 2, x)
+    out = g.capture(lambda t: _square(t) * 2, x)
     assert all(type(step[1]).__name__ != "_ReadsState" for step in g._steps)
+    h = EmulatedGraph()
+    h.capture(lambda t: _plus_one(t) * 2, x)
+    assert any(type(step[1]).__name__ == "_ReadsState" for step in h._steps)
     x.copy_(torch.randn(4))
     g.replay()
-    assert torch.equal(out, (x + 1) * 2)
+    assert torch.equal(out, (x * x) * 2)
 
 
 class _Engine(torch.nn.Module):
@@ -922,3 +937,63 @@ def test_a_custom_op_reading_state_inside_a_hop_branch_captures_and_is_checked()
     _SLOTS["table"] = torch.tensor([0, 0, 0, 0])
     with pytest.raises(StateMovedError, match="another tensor than the one it touched"):
         g.replay()
+
+
+SCALE = [1.0]  # a Python value fxsplit_emutest::scaled reads outside its arguments
+
+
+@torch.library.custom_op("fxsplit_emutest::scaled", mutates_args=())
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * SCALE[0] + 0.5
+
+
+@_scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_a_python_value_a_custom_op_reads_that_changed_since_capture_raises():
+    """A CUDA graph replays the capture's kernel launch, with the value it read then (1.0),
+    silently; the emulator re-calls the kernel, which read the new value and followed it (the
+    CPU passed where the GPU was stale). The host values its aten ops are called with are
+    noted at capture and checked at every replay."""
+    SCALE[0] = 1.0
+    x = torch.ones(4)
+    g = EmulatedGraph()
+    out = g.capture(lambda t: torch.ops.fxsplit_emutest.scaled(t * 2), x)
+    g.replay()
+    torch.testing.assert_close(out, torch.full((4,), 2.5), rtol=0, atol=0)
+    SCALE[0] = 2.0
+    try:
+        with pytest.raises(HostValueChangedError, match=r"scaled.*1\.0\] -> \[2\.0"):
+            g.replay()
+    finally:
+        SCALE[0] = 1.0
+
+
+@torch.library.custom_op("fxsplit_emutest::keeps", mutates_args=())
+def _keeps(x: torch.Tensor, how: int) -> torch.Tensor:
+    KEPT.append(x if how == 0 else x[1:] if how == 1 else x.untyped_storage())
+    return x * 2
+
+
+@_keeps.register_fake
+def _(x, how):
+    return torch.empty_like(x)
+
+
+KEPT: list = []
+
+
+@pytest.mark.parametrize("how", ["tensor", "view", "storage"])
+def test_a_custom_op_keeping_its_argument_fails_the_capture(how):
+    """Its kernel keeps a reference past the call: a replay runs no Python, so it would keep
+    the capture's tensor, which every replay rewrites (CUDA captures it silently)."""
+    with pytest.raises(CaptureError, match=r"keeps_?.*keeps an argument.*splitting_ops"):
+        EmulatedGraph().capture(
+            lambda t: torch.ops.fxsplit_emutest.keeps(
+                t + 1, ["tensor", "view", "storage"].index(how)
+            ),
+            torch.ones(4),
+        )
+    KEPT.clear()

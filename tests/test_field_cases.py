@@ -744,3 +744,51 @@ def test_a_cache_the_model_writes_and_the_caller_refills_through_numpy_is_read()
             assert torch.equal(model(x, cache_c), f(x, cache_e)), step
             assert torch.equal(cache_c, cache_e), step
     assert_replayed(backend, at_least=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# A custom op inside a captured piece reading a Python value outside its arguments
+
+
+class _Scaler:
+    """What an engine's op may read outside its arguments: a float attribute it changes."""
+
+    scale = 1.0
+
+
+@torch.library.custom_op("fxsplit_field::scaled", mutates_args=())
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    """Multiplies by ``_Scaler.scale``, read in the kernel, not passed as an argument."""
+    return x * _Scaler.scale
+
+
+@scaled.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _ScaledMlp(RegionMlp):
+    def forward(self, x):
+        h = torch.ops.fxsplit_field.scaled(self.a(x))
+        with fxsplit.region(self.region):
+            h = self.mid(h)
+        return self.b(h)
+
+
+def test_a_python_value_a_custom_op_reads_that_changes_after_capture_is_loud():
+    """Found by a hunt: the scale changes 1.0 -> 2.0 after capture. A CUDA graph replays 1.0
+    silently; the emulator re-called the kernel and followed the change, so the CPU passed
+    where the GPU is stale. The replay now raises naming the op, both values and the fix."""
+    torch.manual_seed(0)
+    model, _ = _compile(_ScaledMlp(16, MID), eager_regions=[MID])
+    _Scaler.scale = 1.0
+    try:
+        with torch.no_grad():
+            for step in range(3):
+                model(_data((2, 16), step))
+            assert counters.snapshot()["replays"] > 0
+            _Scaler.scale = 2.0
+            with pytest.raises(fxsplit.HostValueChangedError, match=r"scaled.*splitting_ops"):
+                model(_data((2, 16), 3))
+    finally:
+        _Scaler.scale = 1.0

@@ -471,6 +471,47 @@ def test_a_captured_output_kept_by_an_eager_ops_kernel_keeps_its_values(clone_ou
     assert _ledger(backend).loans.moved == 4  # each kept loan moved once, before the replay
 
 
+class _StashingInCapture(SinAttentionMlp):
+    """The stashing op left in a captured piece (not a splitting op), on piece_0's output."""
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        with fxsplit.region(fxsplit.ATTENTION):
+            g = h.sin()
+        return self.b(torch.ops.fxsplit_lifetime.stash_softmax(h) + g) * 2
+
+
+@needs_swap
+def test_a_custom_op_in_a_captured_piece_keeping_its_argument_is_refused_and_lent():
+    """A custom op inside a captured piece keeps its argument (a cache filled by reference): a
+    replay runs no Python, so it kept the capture's tensor, which every replay rewrote (its
+    entries read the latest replay: wrong by up to 2.17, no warning). The emulator sees the
+    reference outlive the call and refuses the capture naming the op and the fix; the piece
+    then runs uncaptured, lent piece_0's output, so what the op keeps holds each step's values.
+    (The refused capture ran the op's Python once more, as a CUDA capture would: one entry of
+    its own, at the second step, the capture's.)"""
+    STASHED.clear()
+    with torch.no_grad():
+        for step in range(6):
+            _StashingInCapture()(_x(step))
+    want = [t.clone() for t in STASHED]
+    STASHED.clear()
+    model, backend = _compile(_StashingInCapture())
+    with (
+        torch.no_grad(),
+        pytest.warns(fxsplit.FxsplitRuntimeWarning, match=r"stash_softmax.*splitting_ops"),
+    ):
+        for step in range(6):
+            model(_x(step))
+    got, STASHED[:] = list(STASHED), []
+    assert len(got) == len(want) + 1
+    _assert_steps_equal(got[:1] + got[2:], want)
+    replays = {
+        p: sum(c.get("replays", 0) for c in k.values()) for p, k in backend.stats["graph_0"].items()
+    }
+    assert replays["piece_0"] >= 4 and replays["piece_2"] == 0, replays
+
+
 class _Drafter(SinAttentionMlp):
     """EAGLE/MTP-style reuse: an eager op keeps the hidden state it is handed and reads the one
     of the step before next time (``fxsplit_lifetime::draft`` adds it to this step's).

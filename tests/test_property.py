@@ -74,6 +74,7 @@ from fxsplit import cache, counters
 from fxsplit.passes import inductor
 from fxsplit.runners import Runner
 from fxsplit.runtime import captured as captured_module
+from fxsplit.runtime import emulator
 from fxsplit.runtime.binding import Refused as _Refused
 from fxsplit.runtime.output_lifetime import can_swap
 from tests.replays import replays
@@ -172,6 +173,37 @@ def stash(x: torch.Tensor, how: int = 0) -> torch.Tensor:
 @stash.register_fake
 def _(x, how=0):
     return torch.empty_like(x)
+
+
+KEPT_IN_CAPTURE: list = []  # what fxsplit_prop::keep kept, in order (see _take_kept)
+
+
+@torch.library.custom_op("fxsplit_prop::keep", mutates_args=())
+def keep(x: torch.Tensor, how: int = 0) -> torch.Tensor:
+    """``stash`` left in a captured piece (never a splitting op): the emulator refuses its
+    capture (its kernel keeps an argument), and the piece runs uncaptured, lent what it reads.
+    An entry kept while a capture runs is marked: the capture is refused, and what it kept is
+    the capture's (as on CUDA), not a step's."""
+    if how == 0:
+        kept = x
+    elif how == 1:
+        kept = x[..., 1:] if x.dim() and x.shape[-1] > 1 else x[...]
+    else:
+        kept = (x.untyped_storage(), x.shape, x.stride(), x.storage_offset(), x.dtype)
+    KEPT_IN_CAPTURE.append((getattr(emulator._tls, "active", None) is not None, kept))
+    return x * 1.5 + 0.5
+
+
+@keep.register_fake
+def _(x, how=0):
+    return torch.empty_like(x)
+
+
+def _take_kept() -> list:
+    """What ``keep`` kept in the call just made, but what a capture ran it on (emptied)."""
+    taken = [kept for in_capture, kept in KEPT_IN_CAPTURE if not in_capture]
+    KEPT_IN_CAPTURE.clear()
+    return taken
 
 
 def _kept_pair(eager, compiled) -> tuple[torch.Tensor, torch.Tensor]:
@@ -511,6 +543,8 @@ class Interp(nn.Module):
         elif kind == "stash":
             how = ins[2] if len(ins) > 2 else 0
             regs.append(torch.ops.fxsplit_prop.stash(regs[ins[1] % n], how))
+        elif kind == "keep":
+            regs.append(torch.ops.fxsplit_prop.keep(regs[ins[1] % n], ins[2]))
         elif kind == "noisy":
             regs.append(torch.ops.fxsplit_prop.noisy(regs[ins[1] % n]))
         elif kind == "unseen":
@@ -615,6 +649,7 @@ OPS = st.one_of(
     st.one_of(
         st.tuples(st.just("stash"), REG, st.integers(0, STASH_FORMS - 1)),
         st.tuples(st.just("noisy"), REG),
+        st.tuples(st.just("keep"), REG, st.integers(0, 2)),
     ),
     # an eager op writing a caller's input where its version counter does not see it
     st.tuples(st.just("unseen"), REG, st.integers(0, 1), st.integers(0, len(UNSEEN_FORMS) - 1)),
@@ -770,6 +805,7 @@ _OP_FEATURES = {
     "store": "side_effect_store",
     "state": "model_state",
     "stash": "kept_by_eager_op",
+    "keep": "kept_by_op_in_captured_piece",
     "noisy": "random_then_capture_error",
     "unseen": "input_written_unseen_by_eager_op",
 }
@@ -1023,6 +1059,8 @@ EXPECTED_REFUSALS = (
     "as_strided() is non-compositional",
     # grad on around the call, and the program reads GRAD_LEAF (stash form 3): nothing captures
     "grad is enabled and an input requires grad",
+    # fxsplit_prop::keep: its kernel keeps its argument
+    "cannot be captured: its kernel keeps an argument",
 )
 
 
@@ -1219,13 +1257,16 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
                 n = case.ints[step % 2]
                 torch.manual_seed(step)  # random ops draw the same numbers in both
                 _take_stash()
+                KEPT_IN_CAPTURE.clear()
                 expected = eager(xe, ye, n)
                 stored_e = eager.stored()
                 stash_e = _take_stash()
+                kept_e = _take_kept()
                 torch.manual_seed(step)
                 got = compiled(xc, yc, n)
                 stored_c = model.stored()
                 stashed += [(e, c, step) for e, c in zip(stash_e, _take_stash(), strict=True)]
+                stashed += [(e, c, step) for e, c in zip(kept_e, _take_kept(), strict=True)]
             # What an eager op kept from this and earlier steps holds what eager's kept holds,
             # unless fxsplit warned, before the replay that overwrote it, that it is kept.
             if not any("still referenced after the call" in str(w.message) for w in seen):

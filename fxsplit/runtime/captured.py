@@ -74,6 +74,8 @@ class CapturedPiece(torch.nn.Module):
         self.kind = piece.kind
         self.code = piece.code
         self.run_uncaptured = piece.forward
+        # what its uncaptured runs call: lent what an op may keep, where the runtime lends
+        self.run_eagerly = piece.forward
         # A compiled piece's kernels are invisible to the emulator: its capture legality is
         # checked on the piece's generated Python, run on fake tensors (nothing executes twice).
         self.check_uncompiled = getattr(piece.forward, "eager", None)
@@ -239,7 +241,7 @@ class CapturedPiece(torch.nn.Module):
     def _uncaptured(self, inputs, key):
         self.stats.add(self.stats.key(key), "uncaptured_runs")
         try:
-            return self.run_uncaptured(*inputs)
+            return self.run_eagerly(*inputs)
         finally:  # it ran on the caller's tensors, and may have written them
             self.context.epoch += 1
 

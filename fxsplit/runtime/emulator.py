@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fxsplit.collectives import is_collective
+from fxsplit.collectives import holds_until_wait, is_collective
 from fxsplit.facts import op_facts
 from fxsplit.facts.ops import dispatched_op_name
 from fxsplit.runtime.emulated_pool import EmulatedPool
@@ -57,16 +58,21 @@ aten = torch.ops.aten
 
 
 class CaptureError(RuntimeError):
-    """An operation that CUDA graph capture rejects ran while an :class:`EmulatedGraph` captured.
+    """An operation that CUDA graph capture rejects ran while an :class:`EmulatedGraph` captured,
+    or one whose replay would silently differ from its eager run (a custom op's kernel keeping
+    its argument: CUDA captures it, and the emulator refuses to).
 
     Attributes:
         op: what ran, e.g. ``"aten::_local_scalar_dense (.item())"`` or ``"aten::nonzero"``.
-        reason: why CUDA capture rejects it (host sync, data-dependent shape, ...).
+        reason: why capture rejects it (host sync, data-dependent shape, ...).
     """
 
     def __init__(self, op: str, reason: str) -> None:
         self.op = op
         self.reason = reason
+        if reason is KEEPS:
+            super().__init__(f"{op} cannot be captured: {reason}")
+            return
         # ends with CUDA's own words (cudaErrorStreamCaptureUnsupported), as a GPU reports it
         super().__init__(
             f"{op} is illegal during CUDA graph capture: {reason} (CUDA: operation not "
@@ -161,6 +167,9 @@ def _callable(func: Any) -> Callable:
 
 
 _tls = threading.local()
+_USE_COUNT = torch._C._storage_Use_Count  # tensors (and the storage object) over one storage
+# what a kernel's aten ops are called with besides tensors, frozen in a CUDA graph's launches
+_HOST_VALUES = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout)
 _left_capturing: TorchDispatchMode | None = None  # see _LeftCapturing
 
 
@@ -222,33 +231,65 @@ def _run_checked(
     every aten op it runs is then checked (not recorded), and the storages it touches noted.
 
     Returns:
-        ``(result, touched)``: ``touched`` holds each storage the kernel read or wrote that is
-        neither an argument's nor one the kernel made (empty for an aten op).
+        ``(result, touched, values)``: ``touched`` holds each storage the kernel read or wrote
+        that is neither an argument's nor one the kernel made; ``values``, the host values the
+        kernel's aten ops were called with, in order (a Python float it read: a CUDA graph
+        replays the value of the capture). Both empty for an aten op.
     """
     if getattr(func, "namespace", "aten") == "aten" or not hasattr(func, "redispatch"):
-        return func(*args, **kwargs), ()
+        return func(*args, **kwargs), (), ()
     keys = None
     leaves = tree_leaves((args, kwargs))
     for a in leaves:
         if isinstance(a, FakeTensor):  # a legality check on fake tensors: the fake kernel runs
-            return func(*args, **kwargs), ()
+            return func(*args, **kwargs), (), ()
         if isinstance(a, torch.Tensor):
             k = torch._C._dispatch_keys(a)
             keys = k if keys is None else keys | k
     if keys is None:
-        return func(*args, **kwargs), ()
+        return func(*args, **kwargs), (), ()
     handles = {a.untyped_storage()._cdata for a in leaves if is_host_handle(a, graph.pool)}
     checker = _Checker(graph, _storages(leaves), handles)
+    keeping = graph._recorder is not None and not holds_until_wait(func)
+    held = _references(leaves, handles) if keeping else None
     with checker:
         out = func.redispatch(keys & _BELOW_PYTHON, *args, **kwargs)
+    if held is not None and _references(leaves, handles) != held:
+        graph._fail(_op_name(func), KEEPS)
     touched = tuple(checker.touched.values())
     kept = graph._made_by_kernels
     for cdata, ref in checker._made.items():  # alive after the kernel: kept (a global, a result)
         if not ref.expired():
             kept[cdata] = ref
+    # a collective's kernel numbers its work (sequence numbers): no value of the model's
+    values = () if holds_until_wait(func) else tuple(checker.values)
     if parent is not None:
-        parent.heard(touched)
-    return out, touched
+        parent.heard(touched, values)
+    return out, touched, values
+
+
+KEEPS = (
+    "its kernel keeps an argument past the call (a reference to the tensor, a view of it or its "
+    "storage outlives the call: a cache filled by reference); a replay runs no Python, so what "
+    "it kept would be the capture's tensor, which every replay rewrites. Run the op eagerly "
+    "(splitting_ops=['ns::op'])"
+)
+
+
+def _references(leaves, handles) -> list[tuple[int, int, int]]:
+    """Per tensor argument but the host handles (``handles``: their storages, which the emulator
+    keeps itself): references to the tensor object, to its storage's Python object, and to its
+    storage (tensors over it). A custom op's kernel that keeps its argument raises one."""
+    found = []
+    for leaf in leaves:
+        if type(leaf) in _PLAIN and leaf.layout == torch.strided:
+            storage = leaf.untyped_storage()
+            if storage._cdata in handles:
+                continue
+            found.append(
+                (sys.getrefcount(leaf), sys.getrefcount(storage), _USE_COUNT(storage._cdata))
+            )
+    return found
 
 
 def _keeps(graph: EmulatedGraph, before: set[int], out: Any) -> bool:
@@ -303,6 +344,7 @@ class _Checker(TorchDispatchMode):
         self.handles = handles
         self.touched: dict[int, _Touched] = {}
         self._made: dict[int, StorageWeakRef] = {}
+        self.values: list = []  # the host values the kernel's aten ops were called with
 
     supports_higher_order_operators = True
 
@@ -317,7 +359,11 @@ class _Checker(TorchDispatchMode):
             self.graph._fail(*bad)
         if self.theirs is not None and self.graph._undo is not None:
             self._save_outside_writes(func, args, kwargs)
-        out, _ = _run_checked(self.graph, func, args, kwargs, self)
+        if self.theirs is not None and getattr(func, "namespace", None) == "aten":
+            self.values.append(
+                (func, *(a for a in tree_leaves((args, kwargs)) if isinstance(a, _HOST_VALUES)))
+            )
+        out, _, _ = _run_checked(self.graph, func, args, kwargs, self)
         if self.theirs is not None:
             self._note(func, tree_leaves((args, kwargs)), tree_leaves(out))
         return out
@@ -365,10 +411,12 @@ class _Checker(TorchDispatchMode):
                 found = self.touched[cdata] = _Touched(storage, what, made)
             found.views.add((leaf.data_ptr(), tuple(leaf.shape), leaf.stride()))
 
-    def heard(self, touched: tuple[_Touched, ...]) -> None:
-        """A custom op called inside this kernel touched these outside its own arguments."""
+    def heard(self, touched: tuple[_Touched, ...], values=()) -> None:
+        """A custom op called inside this kernel touched these outside its own arguments, and
+        its aten ops were called with ``values``."""
         if self.theirs is None:  # a checker that notes nothing (a legality check)
             return
+        self.values.extend(values)
         for found in touched:
             cdata = found.ref.cdata
             if cdata not in self.theirs and cdata not in self._made:
@@ -376,23 +424,39 @@ class _Checker(TorchDispatchMode):
 
 
 class _ReadsState:
-    """Replays a custom op whose kernel touched tensors outside its arguments at capture: each
-    replay runs it checked and raises :class:`StateMovedError` where it touches a storage that
-    is another one, or at another address, than at capture."""
+    """Replays a custom op whose kernel read what its arguments do not hold: tensors outside its
+    arguments, or host values its aten ops were called with (``values``: a Python float the
+    kernel read from a module or a global). Each replay runs it checked and raises
+    :class:`StateMovedError` where it touches a storage that is another one, or at another
+    address, than at capture, and :class:`HostValueChangedError` where its aten ops are called
+    with other host values (a CUDA graph replays the capture's kernels, with the capture's
+    values, silently)."""
 
-    __slots__ = ("func", "graph", "name", "touched")
+    __slots__ = ("func", "graph", "name", "touched", "values")
 
-    def __init__(self, graph: EmulatedGraph, func: Any, touched: tuple[_Touched, ...]):
+    def __init__(
+        self, graph: EmulatedGraph, func: Any, touched: tuple[_Touched, ...], values: tuple = ()
+    ):
         self.graph = graph
         self.func = func
         self.name = _op_name(func)
         self.touched = {t.ref.cdata: t for t in touched}
+        self.values = values
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if isinstance(self.func, torch._ops.HigherOrderOperator):
             out, now = _run_hop(self.graph, self.func, args, kwargs)
         else:
-            out, now = _run_checked(self.graph, self.func, args, kwargs)
+            out, now, values = _run_checked(self.graph, self.func, args, kwargs)
+            if self.values and repr(values) != repr(self.values):
+                op = self.name.split(".")[0]
+                raise HostValueChangedError(
+                    f"{self.name}'s kernel read other host values than at capture ("
+                    f"{_first_change(self.values, values)}): a Python value it reads outside its "
+                    "arguments changed, and a CUDA graph replays the capture's kernels with the "
+                    "capture's values, silently. Pass the value as an argument or keep it in a "
+                    f"tensor, or run the op eagerly (splitting_ops=[{op!r}])"
+                )
         made = any(t.made for t in self.touched.values())
         for found in now:
             was = self.touched.get(found.ref.cdata)
@@ -414,6 +478,14 @@ class _ReadsState:
                 f"updated in place, or run the op eagerly (splitting_ops=[{op!r}])"
             )
         return out
+
+
+def _first_change(before: tuple, after: tuple) -> str:
+    """The first aten call of a kernel whose host values differ, as ``op: was -> now``."""
+    for was, now in zip(before, after, strict=False):
+        if repr(was) != repr(now):
+            return f"{_op_name(was[0])}: {list(was[1:])} -> {list(now[1:])}"
+    return f"{len(before)} calls at capture, {len(after)} now"
 
 
 def _run_hop(
@@ -491,9 +563,10 @@ class _Recorder(TorchDispatchMode):
             if bad is not None:
                 self.graph._fail(*bad)
             before = set(self.graph._made_by_kernels)
-            out, touched = _run_checked(self.graph, func, args, kwargs)
-            if touched or _keeps(self.graph, before, out):
-                call = _ReadsState(self.graph, func, touched)
+            out, touched, values = _run_checked(self.graph, func, args, kwargs)
+            # (a kernel whose aten ops take no host value replays unchecked)
+            if touched or any(len(v) > 1 for v in values) or _keeps(self.graph, before, out):
+                call = _ReadsState(self.graph, func, touched, values)
                 return self._record(func, args, kwargs, out, call)
         return self._record(func, args, kwargs, out)
 
@@ -874,12 +947,17 @@ class EmulatedGraph:
       addresses and raises :class:`StateMovedError` otherwise (a CUDA graph would touch the
       capture's memory, silently). Memory a kernel made and kept (stashed in a forward context
       for a later op of the same graph) is made anew by every replay, as a CUDA graph rewrites
-      the capture's: a later op touching such memory, as at capture, is no moved state. Not
-      seen: host reads that never reach the dispatcher on CPU
-      (``.tolist()``, ``.numpy()``) inside a kernel (torch-function modes are off inside
-      dispatcher kernels); Python values the kernel reads outside its arguments (a step
-      counter: a CUDA graph froze the value, the emulator reads it afresh); memory a kernel
-      reaches through a raw pointer rather than a tensor.
+      the capture's: a later op touching such memory, as at capture, is no moved state. The
+      host values the kernel's aten ops are called with are noted too (a Python float it reads
+      from a module, a step counter choosing which ops run): a replay that calls them with
+      others raises :class:`HostValueChangedError` (a CUDA graph froze the capture's). A
+      kernel that keeps an argument past the call (a reference outlives it: a cache filled by
+      reference) fails the capture (:data:`KEEPS`): a replay runs no Python, so it would keep
+      the capture's tensor, which every replay rewrites; CUDA captures it silently. Not seen:
+      host reads that never reach the dispatcher on CPU (``.tolist()``, ``.numpy()``) inside a
+      kernel (torch-function modes are off inside dispatcher kernels); Python values a kernel
+      uses without passing them to an aten op (a C++ kernel reading a global, a value it only
+      stores); memory a kernel reaches through a raw pointer rather than a tensor.
     * Collectives' results stay outside the pool (their ``wait_tensor`` finds them by identity),
       and so do tensors that require grad.
     * Replay runs without autograd (under ``inference_mode``, which may write the inference

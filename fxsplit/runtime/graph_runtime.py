@@ -214,6 +214,13 @@ class GraphRuntime:
                     after_eager,
                 )
                 after_eager = False
+                if self.pool is not None:
+                    # its uncaptured runs (warm-ups, refusals) are eager code that an op of it
+                    # (a custom op) may keep what it reads in: lent, as to an eager piece
+                    kept = keeping.kept_inputs(inputs, part.nodes, ())
+                    borrower = self._borrower(module, kept, nodes, producer, pieces)
+                    if borrower is not None:
+                        captured.run_eagerly = borrower
                 # the stitched module's generated code calls it through its instance dict
                 self._stitched.register_module(captured.name, captured)
                 object.__setattr__(self._stitched, captured.name, captured)
@@ -221,21 +228,28 @@ class GraphRuntime:
             else:
                 after_eager |= _may_write(part.nodes)
                 if self.pool is not None:
-                    self._lend_to(module, part.nodes, nodes, producer, pieces)
+                    outputs = [nodes[name] for name in module.output_names]
+                    inputs = [nodes[name] for name in module.input_names]
+                    kept = keeping.kept_inputs(inputs, part.nodes, outputs)
+                    borrower = self._borrower(module, kept, nodes, producer, pieces)
+                    if borrower is not None:
+                        object.__setattr__(self._stitched, module.name, borrower)
             for name in module.output_names:
                 producer[nodes[name]] = module.name
         return pieces
 
-    def _lend_to(self, module, body: list, nodes: dict, producer: dict, captured: list) -> None:
-        """Hand eager piece ``module`` (of nodes ``body``) the captured outputs it reads and may
-        keep (:func:`fxsplit.facts.keeping.kept_inputs`) as loans, and what other borrowers
-        made of theirs (views of loans) over their loans too (:mod:`fxsplit.runtime.lending`)."""
+    def _borrower(
+        self, module, kept: frozenset[int], nodes: dict, producer: dict, captured: list
+    ) -> Borrower | None:
+        """A :class:`~fxsplit.runtime.lending.Borrower` running ``module`` eagerly with loans in
+        place of the captured outputs it reads and may keep (``kept``: their input positions,
+        :func:`fxsplit.facts.keeping.kept_inputs`), and what other borrowers made of theirs
+        (views of loans) over their loans too (:mod:`fxsplit.runtime.lending`); None where it
+        reads none."""
         by_name = {piece.name: piece for piece in captured}
         stitched = self._stitched.__dict__
         positions, views = [], []
         lent: dict[str, set[int]] = {}
-        inputs = [nodes[name] for name in module.input_names]
-        kept = keeping.kept_inputs(inputs, body, [nodes[name] for name in module.output_names])
         for i, name in enumerate(module.input_names):
             if i not in kept:
                 continue
@@ -247,13 +261,11 @@ class GraphRuntime:
             elif isinstance(stitched.get(made_by), Borrower):
                 views.append(i)
         if not positions and not views:
-            return
+            return None
         for name, outputs in lent.items():
             piece = by_name[name]
             piece.lent = tuple(sorted({*piece.lent, *outputs}))
-        loans = self.pool.ledger.loans
-        borrower = Borrower(module, tuple(positions), tuple(views), loans)
-        object.__setattr__(self._stitched, module.name, borrower)
+        return Borrower(module, tuple(positions), tuple(views), self.pool.ledger.loans)
 
     def __call__(self, *args):
         session = self.session
