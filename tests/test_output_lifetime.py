@@ -1178,3 +1178,57 @@ def test_loans_under_inference_mode_read_as_in_eager(make):
         got = [model(_x(step)[:, : eager.a.in_features]).clone() for step in range(6)]
     assert counters.snapshot()["replays"] > 0
     _assert_steps_equal(got, want)
+
+
+class _Step(nn.Module):
+    """``a(x).tanh()``: the first graph of a recurrent step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.a = nn.Linear(D, D)
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        return self.a(x).tanh()
+
+
+class _Recur(nn.Module):
+    """``b(sin(h * s)) + s / 2``: the recurrent state ``s`` goes in and comes out."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.b = nn.Linear(D, D)
+        self.requires_grad_(False)
+
+    def forward(self, h, s):
+        with fxsplit.region(fxsplit.ATTENTION):
+            g = (h * s).sin()
+        return self.b(g) + s * 0.5
+
+
+def test_a_recurrent_state_fed_straight_back_through_two_graphs_of_one_backend():
+    """``s = recur(step(x), s)``: ``step``'s replay overwrites the memory of the previous ``s``
+    (captured before it in the shared pool) before ``recur`` reads it. It moves out of the pool
+    first, so it is the caller's tensor when it goes back in (before: StaleOutputError, saying
+    "outputs you keep past the next call", where eager works). On torch 2.11, which cannot move
+    it, the error names what the caller did."""
+    step, recur = _Step(), _Recur()
+    backend = fxsplit.Backend(capture="emulate")
+    cstep, crecur = (
+        torch.compile(_Step(), backend=backend),
+        torch.compile(_Recur(), backend=backend),
+    )
+    s = s_eager = torch.zeros(2, D)
+    if not can_swap():
+        with torch.no_grad(), pytest.raises(fxsplit.StaleOutputError, match=r"handed back in"):
+            for t in range(8):
+                s = crecur(cstep(_x(t, rows=2)), s)
+        return
+    with torch.no_grad():
+        for t in range(8):
+            x = _x(t, rows=2)
+            s, s_eager = crecur(cstep(x), s), recur(step(x), s_eager)
+            assert torch.equal(s, s_eager), t
+    assert counters.snapshot()["replays"] > 0

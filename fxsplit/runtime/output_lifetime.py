@@ -237,7 +237,11 @@ class OutputLedger:
                 hit = stale.get(arg.untyped_storage()._cdata)
                 if hit is not None and not hit[0].expired():
                     raise StaleOutputError(
-                        f"{stale_message(hit[1])}; it was handed to {graph_id} as an input"
+                        f"fxsplit {graph_id}: an input is an output of {hit[1]} handed back in "
+                        "(s = model(x, s)) after a later replay overwrote its memory, which "
+                        "this torch cannot move out of the pool first (no "
+                        "UntypedStorage._swap_data_ptr_): clone it before the next call "
+                        "(s = s.clone()), or compile with options={'clone_outputs': True}"
                     )
 
     def _leave(self, handed: _HandOut) -> None:
