@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.fx import GraphModule
 
-from fxsplit.runtime.binding import is_static_input
+from fxsplit.facts.inputs import is_static_input
 from fxsplit.warn import warn_at_caller
 
 if TYPE_CHECKING:

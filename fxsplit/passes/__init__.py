@@ -1,4 +1,5 @@
-"""The split pipeline: normalise -> mark -> partition -> materialise.
+"""The split pipeline: normalise -> step sizes -> mark (and the cache work attention reads) ->
+partition -> materialise.
 
 Each pass is a module with one job; :func:`split` runs them in order on a Dynamo GraphModule.
 """
@@ -12,8 +13,9 @@ import torch
 from torch.fx import GraphModule
 
 from fxsplit.facts import aliasing, op_facts
-from fxsplit.passes import mark, materialise, normalise, partition, step_sizes
+from fxsplit.passes import cache_ops, mark, materialise, normalise, partition, step_sizes
 from fxsplit.plan import Piece, SplitPlan
+from fxsplit.regions import ATTENTION
 from fxsplit.split_result import Split, SplitPiece
 
 __all__ = ["Split", "SplitPiece", "split"]
@@ -63,6 +65,9 @@ def split(
     tokens = [placeholders[i] for i in indices]
     steps = step_sizes.find(gm.graph, tokens, leading_only=model_values, every_size=dynamic)
     marks = mark.mark(gm.graph, policy, steps.reasons, grad_at_entry)
+    if policy.cache_with_attention and ATTENTION in policy.eager_regions:
+        for node, reason in cache_ops.find(gm.graph, marks, ATTENTION).items():
+            marks.reasons[node] = (reason,)
     parts = partition.partition(marks)
     done = materialise.materialise(gm, parts, f"<fxsplit {graph_id}>", grad_at_entry, marks.host)
     facts = _aliasing(gm, parts, done) if analyse else [None] * len(parts)

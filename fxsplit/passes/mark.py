@@ -45,6 +45,9 @@ class Policy:
     module_regions: ModuleMatcher
     eager_modules: ModuleMatcher
     presets: PresetMatcher = field(default_factory=lambda: PresetMatcher(()))
+    # the runner hands fresh inputs each step: a cache it writes runs with attention
+    # (fxsplit.passes.cache_ops)
+    cache_with_attention: bool = False
 
     @classmethod
     def build(
@@ -61,6 +64,7 @@ class Policy:
             ModuleMatcher(dict(module_regions or {})),
             ModuleMatcher(list(eager_modules)),
             PresetMatcher(presets),
+            not runner.persistent_inputs,
         )
 
     def set_root(self, cls: type | None) -> None:

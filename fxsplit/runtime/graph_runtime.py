@@ -19,6 +19,7 @@ from fxsplit import counters
 from fxsplit.config import Config
 from fxsplit.facts import keeping, op_facts
 from fxsplit.facts.aliasing import PieceAliasing
+from fxsplit.facts.inputs import is_static_argument
 from fxsplit.runtime import binding, provenance
 from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError
 from fxsplit.runtime.checked import CheckedPiece
@@ -103,7 +104,7 @@ class GraphRuntime:
         self._placeholders = list(stitched.graph.find_nodes(op="placeholder"))
         # a marked cache handed in as an argument is read by address through the capture key
         self._static_arguments = frozenset(
-            n.name for n in self._placeholders if binding.is_static_argument(n)
+            n.name for n in self._placeholders if is_static_argument(n)
         )
         self.statics = StaticInputs(self._placeholders, example_inputs, self._static_arguments)
         self.context = GraphContext(

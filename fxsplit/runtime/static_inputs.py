@@ -23,7 +23,8 @@ import weakref
 
 import torch
 
-from fxsplit.runtime import binding, provenance
+from fxsplit.facts.inputs import is_static_input
+from fxsplit.runtime import provenance
 from fxsplit.runtime.storage import storage_ptr
 
 __all__ = ["SETTLED", "StaticInputs"]
@@ -56,7 +57,7 @@ class StaticInputs:
         self.params = [
             i
             for i, n in enumerate(placeholders)
-            if binding.is_static_input(n) and n.name not in static_arguments
+            if is_static_input(n) and n.name not in static_arguments
         ]
         self.runner_inputs = [
             i
