@@ -1,0 +1,420 @@
+"""Decode with the peers side by side: eager, fxsplit (runners v1 and v2, eager and Inductor
+pieces), a bare piecewise floor, Inductor's graph partition and whole-model reduce-overhead.
+
+Models (``--models``):
+
+- ``llama``: transformers' ``LlamaForCausalLM`` with random weights (no download) decoding
+  through ``generate()`` with a new ``StaticCache`` per call, as transformers does; ``forward``
+  compiled (the README's way 1). On CUDA hidden 2048, 16 layers, bf16 (``--layers``,
+  ``--hidden``); on the CPU the same depth at a small width, float32.
+- ``deepseek``: fxsplit's serving-style DeepSeek-V4 (:mod:`fxsplit.models.deepseek_v4`) fed by
+  its engine-style runner, one token per sequence per step (persistent buffers for v2 and the
+  floor, fresh metadata tensors for v1).
+
+Variants (``--variants``; those needing CUDA are left out on a CPU):
+
+- ``eager``: the model itself.
+- ``v1_eager``, ``v1_inductor``, ``v2_eager``, ``v2_inductor``: fxsplit under that runner with
+  its captured pieces as generated Python or compiled by Inductor.
+- ``floor``: the bare piecewise floor: fxsplit's own split (runner v1), each captured piece one
+  plain graph per input shape over static input buffers (a fresh input copied in, nothing
+  checked, outputs returned as they lie): what vLLM's ``CUDAGraphWrapper`` costs.
+- ``partition`` (CUDA): Inductor's graph partition (``graph_partition=True``,
+  ``custom_should_partition_ops`` on the attention ops) under ``mode="reduce-overhead"``:
+  cudagraph trees per partition. Llama only (DeepSeek-V4's regions are plain ops).
+- ``reduce_overhead`` (CUDA): the whole model under ``mode="reduce-overhead"``.
+
+On a CPU fxsplit and the floor capture with the emulator, and **the replay is stubbed** while
+timed (``EmulatedGraph.replay`` does nothing): a GPU replays asynchronously and, at small batch,
+waits for the host, so what is timed is host time per token, the GPU's bottleneck there.
+Numbers from a stubbed replay are not compared.
+
+Per variant and batch it prints milliseconds per token, and for fxsplit per decode step:
+captures per ``generate()`` call (after the first call), replays, input copies and bytes
+copied; then each fxsplit variant's ratio to the floor and, on CUDA, to the graph partition.
+
+Usage: python bench/decode.py [--device cpu|cuda] [--models llama deepseek] [--batches 1 8 32]
+       [--layers 16] [--hidden H] [--new-tokens 16] [--calls 3] [--variants ...]
+       [--part-timeout 120] [--budget S] [--dry-run] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+from decode_latency import RESERVE, Budget, _time_limit, dry_run, run_parts
+
+import fxsplit
+from fxsplit import counters
+from fxsplit.runtime.emulator import EmulatedGraph
+
+VARIANTS = (
+    "eager",
+    "v1_eager",
+    "v1_inductor",
+    "v2_eager",
+    "v2_inductor",
+    "floor",
+    "partition",
+    "reduce_overhead",
+)
+CUDA_ONLY = ("partition", "reduce_overhead")
+MODELS = ("llama", "deepseek")
+FXSPLIT = tuple(v for v in VARIANTS if v[:2] in ("v1", "v2"))
+PER_STEP = ("replays", "input_copies", "input_copy_bytes")
+
+
+@dataclass
+class Figures:
+    """One (model, variant, batch): milliseconds per token; for fxsplit, per decode step of the
+    timed calls: captures per call, replays, input copies and bytes copied."""
+
+    ms: float
+    captures_per_call: float | None = None
+    per_step: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _stubbed_replay(device: str):
+    """On a CPU, an emulated replay does nothing while timed (see the module docstring)."""
+    if device == "cuda":
+        yield
+        return
+    replay = EmulatedGraph.replay
+    EmulatedGraph.replay = lambda self: None
+    try:
+        yield
+    finally:
+        EmulatedGraph.replay = replay
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# The floor: fxsplit's split, each captured piece a bare graph
+
+
+class _BarePiece:
+    """One captured piece as an engine's thinnest wrapper runs it: a graph per input shape over
+    static buffers; a call copies each tensor input that is not the static one in, replays and
+    returns the static outputs. No binding check, no hand-out, no order rule."""
+
+    def __init__(self, forward, device: str, pool):
+        self.forward = forward
+        self.device = device
+        self.pool = pool
+        self.entries: dict[tuple, tuple] = {}
+
+    def __call__(self, *inputs):
+        key = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in inputs)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self.entries[key] = self._capture(inputs)
+            return entry[2]
+        graph, statics, outputs = entry
+        for static, value in zip(statics, inputs, strict=True):
+            if isinstance(value, torch.Tensor) and value is not static:
+                static.copy_(value)
+        graph.replay()
+        return outputs
+
+    def _capture(self, inputs) -> tuple:
+        statics = [
+            t if not isinstance(t, torch.Tensor) or isinstance(t, torch.nn.Parameter) else t.clone()
+            for t in inputs
+        ]
+        self.forward(*statics)  # warm-up
+        if self.device == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                outputs = self.forward(*statics)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph.replay()
+        else:
+            graph = EmulatedGraph(self.pool)
+            outputs = graph.capture(self.forward, *statics)
+        return graph, statics, outputs
+
+
+def floor_backend(device: str, **options):
+    """A torch.compile backend: fxsplit's split under ``options`` (capture off), every captured
+    piece a :class:`_BarePiece` sharing one pool."""
+    split = fxsplit.Backend(capture="off", **options)
+    if device == "cuda":
+        pool = torch.cuda.graph_pool_handle()
+    else:
+        from fxsplit.runtime.emulated_pool import EmulatedPool
+
+        pool = EmulatedPool()
+
+    def backend(gm, example_inputs, **kwargs):
+        split(gm, example_inputs, **kwargs)
+        result = split.compiled[-1]
+        stitched = result.stitched
+        for piece in result.pieces:
+            if piece.part.kind == "captured":
+                bare = _BarePiece(piece.module.forward, device, pool)
+                object.__setattr__(stitched, piece.module.name, bare)
+        return stitched.forward
+
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants
+
+
+def _compiled(variant: str, fn, device: str, model: str):
+    """``fn`` (a module, or a bound ``forward``) as ``variant`` runs it."""
+    if variant == "eager":
+        return fn
+    if variant == "reduce_overhead":
+        return torch.compile(fn, mode="reduce-overhead")
+    if variant == "partition":
+        return torch.compile(fn, mode="reduce-overhead")  # under _partitioned() (see _part)
+    capture = "cuda" if device == "cuda" else "emulate"
+    binding = {"input_binding": "copy"} if model == "llama" else {}
+    if variant == "floor":
+        runner = "v1" if model == "llama" else "v2"
+        return torch.compile(fn, backend=floor_backend(device, runner=runner, **binding))
+    runner, pieces = variant.split("_")
+    backend = fxsplit.Backend(runner=runner, capture=capture, compile_pieces=pieces, **binding)
+    return torch.compile(fn, backend=backend)
+
+
+# The ops Inductor's graph partition cuts at for Llama: every form sdpa lowers to
+_LLAMA_ATTENTION = [
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::scaled_dot_product_attention",
+]
+
+
+@contextlib.contextmanager
+def _partitioned(variant: str):
+    if variant != "partition":
+        yield
+        return
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(
+        graph_partition=True, custom_should_partition_ops=list(_LLAMA_ATTENTION)
+    ):
+        yield
+
+
+def _llama(variant, device, batch, args) -> Figures:
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    hidden = args.hidden or (2048 if device == "cuda" else 64)
+    heads = max(4, hidden // 64)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 4),
+        vocab_size=32000 if device == "cuda" else 256,
+        max_position_embeddings=1024,
+    )
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval().to(device, dtype)
+    prompt = torch.randint(
+        0, config.vocab_size, (batch, 8), generator=torch.Generator().manual_seed(0)
+    )
+    prompt = prompt.to(device)
+    model.forward = _compiled(variant, model.forward, device, "llama")
+    new = args.new_tokens
+    options = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+
+    def call():
+        cache = StaticCache(config=config, max_cache_len=8 + new + 8)
+        model.generate(prompt, cache=cache, **options)
+
+    with torch.no_grad():
+        call()  # compiles, warms up and captures
+        call()
+        return _timed(call, args.calls, new, device, variant in FXSPLIT)
+
+
+def _deepseek(variant, device, batch, args) -> Figures:
+    from fxsplit.models import deepseek_v4
+
+    config = deepseek_v4.DeepseekV4Config(num_layers=args.layers)
+    model = deepseek_v4.build(config).to(device)
+    persistent = variant != "v1_eager" and variant != "v1_inductor"
+    feed = deepseek_v4.DecodeRunner(config, batch, persistent=persistent, device=device)
+    for _ in range(3):
+        feed.step(batch)
+    compiled = _compiled(variant, model, device, "deepseek")
+    steps = args.new_tokens
+
+    def call():
+        for _ in range(steps):
+            compiled(*feed.step(batch))
+
+    with torch.no_grad():
+        call()
+        call()
+        return _timed(call, args.calls, steps, device, variant in FXSPLIT)
+
+
+def _timed(call, calls: int, tokens: int, device: str, counted: bool) -> Figures:
+    """``calls`` timed calls of ``tokens`` decode steps each (the replay stubbed on a CPU);
+    ``counted``: fxsplit ran them, and its counters say what happened."""
+    before = counters.snapshot()
+    with _stubbed_replay(device):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        _sync(device)
+        seconds = time.perf_counter() - start
+    after = counters.snapshot()
+    delta = {k: after[k] - before[k] for k in after}
+    steps = calls * tokens
+    figures = Figures(seconds / steps * 1e3)
+    if counted:
+        figures.captures_per_call = delta["captures"] / calls
+        figures.per_step = {k: delta[k] / steps for k in PER_STEP}
+    return figures
+
+
+def _run(model: str, variant: str, device: str, batch: int, args) -> Figures:
+    torch._dynamo.reset()
+    counters.reset()
+    with _partitioned(variant):
+        return (_llama if model == "llama" else _deepseek)(variant, device, batch, args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def report(results: dict, device: str) -> list[str]:
+    """The table: per model and batch, each variant's ms per token and counts, and the ratios
+    of the fxsplit variants to the floor (and to the graph partition on CUDA)."""
+    lines = []
+    what = "ms per token" if device == "cuda" else "host ms per token (replay stubbed)"
+    for (model, batch), row in results.items():
+        lines.append(f"{model}, batch {batch}: {what}")
+        lines.append(
+            f"  {'variant':<16}{'ms':>9}{'captures/call':>14}{'replays/step':>13}"
+            f"{'copies/step':>12}{'bytes/step':>12}{'vs floor':>9}{'vs partition':>13}"
+        )
+        for variant, figures in row.items():
+            if figures is None:
+                continue
+            ratio = _ratio(figures, row.get("floor"))
+            versus = _ratio(figures, row.get("partition"))
+            per = figures.per_step
+            lines.append(
+                f"  {variant:<16}{figures.ms:9.3f}"
+                f"{_cell(figures.captures_per_call, 14)}{_cell(per.get('replays'), 13)}"
+                f"{_cell(per.get('input_copies'), 12)}{_cell(per.get('input_copy_bytes'), 12, 0)}"
+                f"{_cell(ratio, 9, 2, 'x')}{_cell(versus, 13, 2, 'x')}"
+            )
+    return lines
+
+
+def _ratio(figures: Figures, other: Figures | None) -> float | None:
+    return figures.ms / other.ms if other is not None and other.ms else None
+
+
+def _cell(value, width: int, digits: int = 1, suffix: str = "") -> str:
+    return ("-" if value is None else f"{value:.{digits}f}{suffix}").rjust(width)
+
+
+def plan(models, variants, batches, device: str) -> list[tuple[str, int]]:
+    """The (``model:variant``, batch) parts in run order; CUDA-only variants left out on a
+    CPU, the partition for Llama only."""
+    names = [
+        f"{m}:{v}"
+        for m in models
+        for v in variants
+        if (device == "cuda" or v not in CUDA_ONLY) and not (v == "partition" and m != "llama")
+    ]
+    return [(name, batch) for batch in sorted(batches) for name in names]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=None, help="Llama's (2048 CUDA, 64 CPU)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="decode steps per call")
+    parser.add_argument("--calls", type=int, default=3, help="timed calls per part")
+    parser.add_argument("--part-timeout", type=float, default=120, help="seconds per part")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole run")
+    parser.add_argument("--dry-run", action="store_true", help="print the worst-case plan")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.budget is not None and args.budget <= RESERVE:
+        parser.error(f"--budget {args.budget:g}: must be over the {RESERVE:g} s kept for the table")
+    budget = Budget(args.part_timeout, args.budget)
+    parts = plan(args.models, args.variants, args.batches, args.device)
+    if args.dry_run:
+        lines, fits = dry_run(parts, budget)
+        print("\n".join(lines))
+        raise SystemExit(0 if fits else 1)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA or ROCm device here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    figures: dict[tuple[str, int], Figures] = {}
+
+    def run_part(name: str, batch: int, seconds: float) -> float:
+        model, variant = name.split(":")
+        with _time_limit(seconds):
+            found = figures[name, batch] = _run(model, variant, args.device, batch, args)
+        return found.ms
+
+    _, skipped = run_parts(parts, budget, run_part)
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
+    results: dict[tuple[str, int], dict[str, Figures | None]] = {}
+    for name, batch in parts:
+        model, variant = name.split(":")
+        results.setdefault((model, batch), {})[variant] = figures.get((name, batch))
+    print(f"{args.device}, torch {torch.__version__}, {args.layers} layers")
+    print("\n".join(report(results, args.device)))
+    for line in skipped:
+        print(f"not measured: {line}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": args.device,
+                    "torch": torch.__version__,
+                    "layers": args.layers,
+                    "figures": {f"{n}@{b}": vars(f) for (n, b), f in figures.items()},
+                    "skipped": skipped,
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
