@@ -124,3 +124,45 @@ def test_readme_generate_script_says_each_way_matched_eager_and_replayed():
         assert said and int(said.group(2)) > 0, line
     prose = " ".join(section.split())
     assert all(f"`{line}`" in prose for line in lines), (lines, "the README quotes other lines")
+
+
+@pytest.mark.parametrize("initialised", ["lazily, in the compiled prefill", "before the call"])
+def test_a_new_static_cache_per_generate_is_neither_copied_nor_recaptured_under_v1(
+    model_and_tokens, initialised
+):
+    """transformers makes a new StaticCache per ``generate()``. Under v1 the cache writes and
+    every op from the cache to attention run eagerly with attention (``cache:<what>``), so no
+    captured piece reads or writes the cache: nothing of it is copied in or written back, and a
+    new cache captures nothing new (before: the whole cache copied in and back every step when
+    made lazily; every piece touching it recaptured on every call when initialised before)."""
+    model, prompt, want = model_and_tokens
+    model = copy.deepcopy(model)
+    backend = fxsplit.Backend(capture="emulate", input_binding="copy", runner="v1")
+    model.forward = torch.compile(model.forward, backend=backend)
+    config = model.config
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+
+    def cache() -> StaticCache:
+        made = _cache(model)
+        if initialised == "before the call":
+            made.early_initialization(1, heads, dim, torch.float32, torch.device("cpu"))
+        return made
+
+    with torch.no_grad():
+        for call in range(4):
+            counters.reset()
+            got = model.generate(prompt, cache=cache(), **GENERATE)
+            assert torch.equal(got, want), call
+            if call >= 2:
+                snapshot = counters.snapshot()
+                assert snapshot["captures"] == 0 and snapshot["recaptures"] == 0, (call, snapshot)
+                assert snapshot["replays"] > 0
+    copied = {
+        name
+        for runtime in backend.runtimes
+        for piece in runtime.pieces
+        for name in piece.stats.copies_by_input
+    }
+    assert not [name for name in copied if "cache_layers" in name], copied
+    decode = backend.plans[-1]
+    assert any(r.startswith("cache:cache.layers[0].keys") for p in decode.eager for r in p.reasons)

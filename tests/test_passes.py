@@ -940,8 +940,9 @@ def _writes_a_buffer_attention_reads(x, buf):
 @pytest.mark.parametrize(
     ("runner", "want_kinds"),
     [
-        # the writes of buf (a cache attention reads) run with it (fxsplit.passes.cache_ops)
-        ("v1", ["eager", "captured", "eager", "captured"]),
+        # every op on buf (a runner tensor the step writes, which attention reads) runs
+        # eagerly (fxsplit.passes.cache_ops)
+        ("v1", ["eager", "captured", "eager"]),
         ("v2", ["captured", "eager", "captured"]),
     ],
 )
@@ -954,6 +955,48 @@ def test_inplace_buffer_mutations_keep_order_across_pieces(runner, want_kinds):
     assert kinds(spy.plan) == want_kinds
     assert torch.equal(got, want)
     assert torch.equal(buf, want_buf)
+
+
+class _KvLayer(torch.nn.Module):
+    """A decode layer: the new token's key written into a cache at ``pos``, repeated and read by
+    attention. The cache is the caller's (``kv``, an argument) or the model's (``self.kv``)."""
+
+    def __init__(self, own_cache: bool):
+        super().__init__()
+        self.k = torch.nn.Linear(4, 4)
+        self.own = own_cache
+        self.register_buffer("kv", torch.zeros(6, 4))
+
+    def forward(self, x, pos, kv):
+        kv = self.kv if self.own else kv
+        kv.index_copy_(0, pos, self.k(x))
+        keys = kv.unsqueeze(0).expand(2, 6, 4).reshape(12, 4)
+        with fxsplit.region("attention"):
+            att = (x @ keys.T).softmax(-1) @ keys
+        return att * 2
+
+
+@pytest.mark.parametrize(
+    ("own_cache", "runner", "cache_work_eager"),
+    [(False, "v1", True), (False, "v2", False), (True, "v1", False)],
+    ids=["callers_cache_v1", "callers_cache_v2", "models_buffer_v1"],
+)
+def test_cache_work_runs_with_attention_where_the_runner_keeps_no_inputs(
+    own_cache, runner, cache_work_eager
+):
+    """Under v1 a cache handed in that the step writes in place, and every op from it to the
+    attention that reads it (the write, the view, repeat's expand and reshape), run eagerly
+    with that attention: no captured piece copies the cache in and back. Under v2 (persistent
+    inputs, bound by address), and for the model's own buffer, the cache work stays captured."""
+    layer = _KvLayer(own_cache)
+    x, pos = torch.randn(1, 4), torch.tensor([2])
+    spy, _ = run(layer, x, pos, torch.zeros(6, 4), runner=runner, input_binding="copy")
+    plan = spy.plan
+    reasons = {r for p in plan.eager for r in p.reasons}
+    assert ("cache:kv" in reasons) == cache_work_eager, plan.format()
+    assert kinds(plan) == ["captured", "eager", "captured"]
+    # attention's 4 ops, and the write, unsqueeze, expand and reshape of the cache with them
+    assert [p.num_ops for p in plan.eager] == [8 if cache_work_eager else 4], plan.format()
 
 
 def test_value_mutated_in_later_piece_is_shared():

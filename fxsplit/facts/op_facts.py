@@ -59,6 +59,7 @@ __all__ = [
     "sync_entry_points",
     "unsafe",
     "writes_out",
+    "written_args",
 ]
 
 aten = torch.ops.aten
@@ -523,6 +524,40 @@ def may_write(node: Node, dispatch: bool = False) -> bool:
     if dispatch and not _overloads(names):
         return _method_writes(node)
     return _facts(node).writes
+
+
+def written_args(node: Node) -> tuple[Node, ...] | None:
+    """The argument nodes the op ``node`` calls may write, from its overloads' schemas (the
+    arguments annotated ``Tensor(a!)``: an in-place op's ``self``, a custom op's
+    ``mutates_args``, an ``out=`` argument); None where that is unknown (an op the dispatcher
+    does not know: any argument may be written)."""
+    names = op_names(node)
+    if names is None:
+        return None
+    found = [node.kwargs["out"]] if writes_out(node) else []
+    overloads = _overloads(names)
+    if not overloads:
+        # a Tensor method with no aten op of its name (``x.float()``): the ops it runs say
+        return () if not found and not _method_writes(node) else None
+    for op in overloads:
+        for i, argument in enumerate(op._schema.arguments):
+            info = argument.alias_info
+            if info is None or not info.is_write:
+                continue
+            if argument.name in node.kwargs:
+                found.append(node.kwargs[argument.name])
+            elif i < len(node.args) and not argument.kwarg_only:
+                found.append(node.args[i])
+    leaves = [leaf for value in found for leaf in _nodes_in(value)]
+    return tuple(dict.fromkeys(leaves))
+
+
+def _nodes_in(value: Any) -> list[Node]:
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _nodes_in(item)]
+    return []
 
 
 class _Ops(TorchDispatchMode):

@@ -10,8 +10,10 @@ cache per ``generate()`` is new memory every call, while the runner keeps none o
 its KV-cache update with attention for the same reason.
 
 The cache is found from the graph, never from a list of method names: a placeholder that is not
-a parameter, buffer or ``mark_static_address`` tensor (those are read by address, never copied)
-whose memory some node writes (:func:`fxsplit.facts.op_facts.may_write`, with Dynamo's example
+the model's own (a parameter or a buffer of the module the frame runs: read by address, never
+copied), marked static or not (transformers marks a StaticCache it initialises eagerly, and
+``generate()`` makes a new one per call: bound by address, a new one recaptures), whose memory
+some node writes (:func:`fxsplit.facts.op_facts.may_write`, with Dynamo's example
 values saying which tensors share that memory) and which an eager attention node reads, directly
 or through other nodes. Every node that writes that memory, and every node on a path from the
 cache to that attention (views of it, ``repeat_kv``'s expand and reshape, the position it is
@@ -28,7 +30,6 @@ import torch
 from torch.fx import Graph, Node
 
 from fxsplit.facts import op_facts
-from fxsplit.facts.inputs import is_static_input
 from fxsplit.facts.symbols import describe
 from fxsplit.passes.mark import Marks
 
@@ -58,24 +59,31 @@ def find(graph: Graph, marks: Marks, attention: str) -> dict[Node, str]:
     upstream = _ancestors(readers)
     calls = [n for n in graph.nodes if n.op in _CALLS]
     found: dict[Node, str] = {}
-    for placeholder in graph.find_nodes(op="placeholder"):
-        if placeholder not in upstream or is_static_input(placeholder):
-            continue
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    # the model's memory, also where the caller hands a view of it in (``model(x, self.kv[0])``)
+    model = _storages(p for p in placeholders if _model_state(p))
+    for placeholder in placeholders:
         memory = _storage(placeholder)
-        if memory is None:
+        if memory is None or memory in model:
             continue
-        writers = [
-            n
-            for n in calls
-            if memory in _storages(n.all_input_nodes) and op_facts.may_write(n, dispatch=True)
-        ]
-        if not writers:
+        touching = [n for n in calls if memory in _storages(n.all_input_nodes)]
+        if not any(_writes(n, memory) for n in touching):
             continue
+        path = _descendants(placeholder, set(readers)) & upstream if placeholder in upstream else ()
         reason = f"cache:{_what(placeholder)}"
-        for node in (*writers, *(_descendants(placeholder, set(readers)) & upstream)):
-            if node.op in _CALLS and node not in marks.reasons:
+        for node in (*touching, *path):
+            if node.op in _CALLS and node not in reasons:
                 found.setdefault(node, reason)
     return found
+
+
+def _writes(node: Node, memory: int) -> bool:
+    """Whether ``node`` may write the storage ``memory`` (an argument its schema writes is over
+    it; an op whose writes are unknown may write any argument)."""
+    written = op_facts.written_args(node)
+    if written is None:
+        return True
+    return memory in _storages(written)
 
 
 def _ancestors(nodes: Iterable[Node]) -> set[Node]:
@@ -101,6 +109,20 @@ def _descendants(node: Node, readers: set[Node]) -> set[Node]:
                 if user not in readers:
                     stack.append(user)
     return seen
+
+
+def _model_state(placeholder: Node) -> bool:
+    """Whether a placeholder is the model's own: a parameter, or reached through the module the
+    frame runs (``L['self']...``: its buffers), bound by address and never copied. A cache
+    reached through the call's arguments (``L['kwargs']['cache'].layers[0].keys``) is the
+    runner's, marked static or not: transformers marks a StaticCache it initialises eagerly,
+    and ``generate()`` makes a new one per call."""
+    if isinstance(getattr(placeholder.meta.get("grapharg"), "example", None), torch.nn.Parameter):
+        return True
+    source = getattr(placeholder.meta.get("grapharg"), "source", None)
+    while source is not None and getattr(source, "base", None) is not None:
+        source = source.base
+    return getattr(source, "local_name", None) == "self"
 
 
 def _storage(node: Node) -> int | None:

@@ -106,7 +106,17 @@ class GraphRuntime:
         self._static_arguments = frozenset(
             n.name for n in self._placeholders if is_static_argument(n)
         )
-        self.statics = StaticInputs(self._placeholders, example_inputs, self._static_arguments)
+        # parameters only eager pieces read (a cache that runs with attention) are followed by
+        # nobody: their moves concern no capture
+        captured_reads = {
+            name
+            for each in split.pieces
+            if each.part.kind == "captured"
+            for name in each.module.input_names
+        }
+        self.statics = StaticInputs(
+            self._placeholders, example_inputs, self._static_arguments, captured_reads
+        )
         self.context = GraphContext(
             self.graph_id,
             mode,

@@ -44,6 +44,8 @@ class StaticInputs:
         placeholders: the stitched graph's placeholders.
         example_inputs: Dynamo's example inputs (one per placeholder).
         static_arguments: names of the marked-static caches handed in as arguments.
+        captured_reads: names of the placeholders captured pieces read (None: all); a
+            parameter no captured piece reads is not followed.
 
     Attributes:
         params: indices of the parameters and buffers read by address.
@@ -52,13 +54,19 @@ class StaticInputs:
         volatile: names of the rebound parameters and buffers.
     """
 
-    def __init__(self, placeholders, example_inputs, static_arguments: frozenset[str]):
+    def __init__(
+        self, placeholders, example_inputs, static_arguments: frozenset[str], captured_reads=None
+    ):
         self.placeholders = placeholders
-        self.params = [
+        static = [
             i
             for i, n in enumerate(placeholders)
             if is_static_input(n) and n.name not in static_arguments
         ]
+        self.params = [
+            i for i in static if captured_reads is None or placeholders[i].name in captured_reads
+        ]
+        self._static = static  # every parameter and buffer: their memory is frozen
         self.runner_inputs = [
             i
             for i, value in enumerate(example_inputs)
@@ -149,4 +157,7 @@ class StaticInputs:
 
     def _remember(self, args) -> None:
         self._ptrs = tuple(args[i].data_ptr() for i in self.params)
-        self._frozen = frozenset(storage_ptr(args[i]) for i in self.params)
+        volatile = self.volatile
+        self._frozen = frozenset(
+            storage_ptr(args[i]) for i in self._static if self.placeholders[i].name not in volatile
+        )
