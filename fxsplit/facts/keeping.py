@@ -7,10 +7,11 @@ hidden state), an op changing the tensor's layout in place, or the piece returni
 to code that runs later. Code that only computes from the memory needs no loan, and a loan costs
 a fresh tensor per input per call.
 
-The facts come from torch: an op torch knows to be pure (:func:`fxsplit.facts.op_facts.is_pure`:
-a value of its arguments alone, changing nothing else) cannot keep an argument, nor can
-indexing (``operator.getitem``: aten's reads of a tensor, or the element of a tuple of results),
-unless autograd tracks its result (saved tensors, forward-mode tangents keep what it read);
+The facts come from torch: an op of torch's own (:func:`fxsplit.facts.op_facts.is_torch_op`: its
+kernel holds no reference to its arguments past the call, in-place writes included) cannot keep
+an argument, nor can indexing (``operator.getitem``: aten's reads of a tensor, or the element of
+a tuple of results), unless it changes the argument's layout in place (``t_()``: the tensor keeps
+it) or autograd tracks its result (saved tensors, forward-mode tangents keep what it read);
 which values share an input's memory is read from the storages of Dynamo's fake example values,
 as :func:`fxsplit.facts.op_facts.is_view` does. Anything unknown (no example value, an op of
 the user's, a ``call_module``) may keep.
@@ -69,10 +70,14 @@ def kept_inputs(inputs: Sequence[Node], nodes: Sequence[Node], outputs: Sequence
 
 
 def _cannot_keep(node: Node) -> bool:
-    """A pure op or indexing whose result autograd does not track: autograd keeps what an op
-    reads where its result requires grad (saved for backward) or carries a forward-mode
-    tangent (``make_dual`` holds the tangent it is given), whatever the op's schema says."""
-    if node.target is not operator.getitem and not op_facts.is_pure(node):
+    """An op of torch's own (:func:`fxsplit.facts.op_facts.is_torch_op`: its kernel holds no
+    reference past the call, in-place writes included; what it returns is followed by memory)
+    or indexing, whose result autograd does not track: autograd keeps what an op reads where
+    its result requires grad (saved for backward) or carries a forward-mode tangent
+    (``make_dual`` holds the tangent it is given), whatever the op's schema says."""
+    if node.target is not operator.getitem and not op_facts.is_torch_op(node):
+        return False
+    if op_facts.changes_layout(node):  # t_(), as_strided_(): the tensor keeps its new layout
         return False
     return not tracked(node.meta.get("example_value"))
 

@@ -54,6 +54,7 @@ __all__ = [
     "is_allocation",
     "is_pure",
     "is_random",
+    "is_torch_op",
     "is_view",
     "may_write",
     "sync_entry_points",
@@ -473,6 +474,29 @@ def is_pure(node: Node) -> bool:
         return _host_arithmetic(node)
     facts = _facts(node)
     return not (facts.random or facts.writes)
+
+
+def is_torch_op(node: Node) -> bool:
+    """Whether ``node`` calls an op of torch's own (``aten``, ``prims``) that the dispatcher
+    knows, or is host arithmetic: a kernel that holds no reference to its arguments past the
+    call, writing them in place or not (what it returns may view them: an in-place op returns
+    its ``self``, a view op its base)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    names = op_names(node)
+    if names is None:
+        return node.op == "call_function" and _host_arithmetic(node)
+    if names[0].partition("::")[0] not in _TORCH_NAMESPACES:
+        return False
+    if _overloads(names):
+        return True
+    if node.op == "call_method":
+        ops = _method_ops(node)
+        return ops is not None and all(
+            isinstance(op, torch._ops.OpOverload) and op.namespace in _TORCH_NAMESPACES
+            for op in ops
+        )
+    return _host_arithmetic(node)
 
 
 def _pure_op(op: Any) -> bool:
