@@ -28,7 +28,7 @@ from torch.fx import Node
 
 from fxsplit.facts import op_facts
 
-__all__ = ["kept_inputs", "tracked"]
+__all__ = ["kept_inputs", "storages", "tracked"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -47,7 +47,7 @@ def kept_inputs(inputs: Sequence[Node], nodes: Sequence[Node], outputs: Sequence
     Returns:
         A frozenset of positions in ``inputs``.
     """
-    memory = {node: _storages(node) for node in (*inputs, *nodes)}
+    memory = {node: storages(node) for node in (*inputs, *nodes)}
     kept = set()
     for i, node in enumerate(inputs):
         own = memory[node]
@@ -102,7 +102,7 @@ def tracked(value: object, unknown: bool = True) -> bool:
         return unknown
 
 
-def _storages(node: Node) -> frozenset | None:
+def storages(node: Node) -> frozenset | None:
     """The storages of ``node``'s example value (of each tensor in a tuple or list of them);
     None where unknown (no example value, a value that may hold memory and is no tensor)."""
     if "example_value" not in node.meta:

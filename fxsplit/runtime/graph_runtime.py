@@ -139,6 +139,7 @@ class GraphRuntime:
             config.size_input,
         )
         self._resumed = frame is not None and frame.model_values
+        self._made = _made_outputs(split.graph_module.graph)
         self._stitched = stitched
         self.pieces = self._install()
         self._forward = stitched.forward
@@ -335,7 +336,7 @@ class GraphRuntime:
                 provenance.RECORD.forget_taken(handed)
         if pool is not None:
             out = hand_out(out, pool, self.graph_id, self.clone_outputs)
-        provenance.RECORD.record_outputs(session, self, out, args)
+        provenance.RECORD.record_outputs(session, self, out, self._made, args)
         return out
 
     def is_frozen_memory(self, value: torch.Tensor) -> bool:
@@ -485,6 +486,28 @@ class GraphRuntime:
         return dropped
 
 
+def _made_outputs(graph) -> tuple[int, ...]:
+    """The positions of ``graph``'s outputs the graph makes, not views of its inputs (from the
+    storages of Dynamo's example values); ``-1 - position`` where that is unknown (no example
+    value), for :meth:`~fxsplit.runtime.provenance.Provenance.record_outputs` to tell at run
+    time."""
+    inputs = set()
+    for node in graph.find_nodes(op="placeholder"):
+        found = keeping.storages(node)
+        if found is not None:
+            inputs |= found
+    slots = []
+    (output,) = graph.find_nodes(op="output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    for slot, node in enumerate(values):
+        found = keeping.storages(node) if isinstance(node, torch.fx.Node) else frozenset()
+        if found is None:
+            slots.append(-1 - slot)
+        elif found and found.isdisjoint(inputs):
+            slots.append(slot)
+    return tuple(slots)
+
+
 def _generators(nodes, device: str) -> tuple:
     """The generators on ``device`` (a device type) other than the default ones that ``nodes``
     pass to their ops."""
@@ -497,14 +520,17 @@ def _generators(nodes, device: str) -> tuple:
 
 
 def _may_write(nodes) -> bool:
-    """Whether an eager piece of ``nodes`` may write a caller's tensor, even where its version
-    counter does not see it (a custom op refilling a staging tensor through ``.data``, a write
-    through another tensor over its memory): anything but ops torch knows to be pure
-    (:func:`fxsplit.facts.op_facts.is_pure`) and indexing (``operator.getitem`` of a tensor,
-    whose ops are aten's reads, or of a tuple of results)."""
+    """Whether an eager piece of ``nodes`` may write a caller's tensor where its version counter
+    does not see it (a custom op refilling a staging tensor through ``.data``, a write through
+    another tensor over its memory): anything but ops of torch's own
+    (:func:`fxsplit.facts.op_facts.is_torch_op`, whose in-place writes bump the version counter
+    of what they write, and of its views) and indexing, or an in-place layout change of torch's
+    (``set_``: the tensor then writes memory of another with a counter of its own)."""
     calls = ("call_function", "call_method", "call_module")
     return any(
-        n.op in calls and n.target is not operator.getitem and not op_facts.is_pure(n)
+        n.op in calls
+        and n.target is not operator.getitem
+        and (not op_facts.is_torch_op(n) or op_facts.changes_layout(n))
         for n in nodes
     )
 

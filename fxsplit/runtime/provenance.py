@@ -114,15 +114,26 @@ class Provenance:
         ptr = storage_ptr(tensor)
         return any(ptr in pool.owners for pool in self._open())
 
-    def record_outputs(self, owner: object, graph: object, out: tuple, args: tuple = ()) -> None:
-        """Remember the outputs of this call of ``graph`` (run in session ``owner``), except
-        views of what the call was handed (those are the caller's)."""
-        theirs = {a.untyped_storage()._cdata for a in args if is_strided(a)}
+    def record_outputs(
+        self, owner: object, graph: object, out: tuple, slots: tuple[int, ...], args: tuple = ()
+    ) -> None:
+        """Remember the outputs of this call of ``graph`` (run in session ``owner``) at
+        ``slots``: those the graph makes (a compile-time fact), not views of what the call was
+        handed, which are the caller's. A slot whose making is unknown (-1 - its position) is
+        remembered unless it views one of ``args``."""
         refs = {}
-        for slot, o in enumerate(out):
+        theirs = None
+        for slot in slots:
+            if slot < 0:
+                slot = -1 - slot
+                if theirs is None:
+                    theirs = {a.untyped_storage()._cdata for a in args if is_strided(a)}
+                if not is_strided(out[slot]) or out[slot].untyped_storage()._cdata in theirs:
+                    continue
+            o = out[slot]
             if is_strided(o):
                 storage = o.untyped_storage()
-                if storage._cdata not in refs and storage._cdata not in theirs:
+                if storage._cdata not in refs:
                     refs[storage._cdata] = (StorageWeakRef(storage), graph.graph_id, slot)
         returned = self._returned.get(id(graph))
         if returned is None or returned.owner() is not owner:
