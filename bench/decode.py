@@ -6,7 +6,12 @@ Models (``--models``):
 - ``llama``: transformers' ``LlamaForCausalLM`` with random weights (no download) decoding
   through ``generate()`` with a new ``StaticCache`` per call, as transformers does; ``forward``
   compiled (the README's way 1). On CUDA hidden 2048, 16 layers, bf16 (``--layers``,
-  ``--hidden``); on the CPU the same depth at a small width, float32.
+  ``--hidden``); on the CPU the same depth at a small width, float32. ``llama_cc``: the same,
+  transformers compiling ``forward`` itself (``CompileConfig``, the README's way 2);
+  ``llama_dynamic``: forward compiled, a ``DynamicCache``. ``--check`` compares each compiled
+  variant's tokens (an untimed call, the replay not stubbed) with those of
+  ``torch.compile(backend="eager")`` (in bf16 transformers under Dynamo differs from plain
+  eager after a few dozen tokens).
 - ``deepseek``: fxsplit's serving-style DeepSeek-V4 (:mod:`fxsplit.models.deepseek_v4`) fed by
   its engine-style runner, one token per sequence per step (persistent buffers for v2 and the
   floor, fresh metadata tensors for v1).
@@ -33,9 +38,10 @@ Per variant and batch it prints milliseconds per token, and for fxsplit per deco
 captures per ``generate()`` call (after the first call), replays, input copies and bytes
 copied; then each fxsplit variant's ratio to the floor and, on CUDA, to the graph partition.
 
-Usage: python bench/decode.py [--device cpu|cuda] [--models llama deepseek] [--batches 1 8 32]
-       [--layers 16] [--hidden H] [--new-tokens 16] [--calls 3] [--variants ...]
-       [--part-timeout 120] [--budget S] [--dry-run] [--json out.json]
+Usage: python bench/decode.py [--device cpu|cuda] [--models llama ... deepseek] [--variants ...]
+       [--parts model:variant ...] [--batches 1 8 32] [--layers 16] [--hidden H]
+       [--new-tokens 16] [--calls 3] [--check] [--part-timeout 120] [--budget S] [--dry-run]
+       [--json out.json]
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ VARIANTS = (
     "reduce_overhead",
 )
 CUDA_ONLY = ("partition", "reduce_overhead")
-MODELS = ("llama", "deepseek")
+MODELS = ("llama", "llama_cc", "llama_dynamic", "deepseek")
 FXSPLIT = tuple(v for v in VARIANTS if v[:2] in ("v1", "v2"))
 PER_STEP = ("replays", "input_copies", "input_copy_bytes")
 
@@ -73,11 +79,14 @@ PER_STEP = ("replays", "input_copies", "input_copy_bytes")
 @dataclass
 class Figures:
     """One (model, variant, batch): milliseconds per token; for fxsplit, per decode step of the
-    timed calls: captures per call, replays, input copies and bytes copied."""
+    timed calls: captures per call, replays, input copies and bytes copied; with ``--check``,
+    whether a Llama variant's tokens (an untimed call, the replay not stubbed) are those of
+    ``torch.compile(backend="eager")``."""
 
     ms: float
     captures_per_call: float | None = None
     per_step: dict[str, float] = field(default_factory=dict)
+    same_tokens: bool | None = None  # with --check: the tokens of backend="eager"
 
 
 @contextlib.contextmanager
@@ -175,22 +184,26 @@ def floor_backend(device: str, **options):
 # Variants
 
 
+def _backend(variant: str, device: str, model: str):
+    """The torch.compile ``backend`` and ``mode`` of ``variant`` (not ``eager``)."""
+    if variant in ("reduce_overhead", "partition"):  # the partition under _partitioned()
+        return "inductor", "reduce-overhead"
+    capture = "cuda" if device == "cuda" else "emulate"
+    binding = {"input_binding": "copy"} if model.startswith("llama") else {}
+    if variant == "floor":
+        runner = "v1" if model.startswith("llama") else "v2"
+        return floor_backend(device, runner=runner, **binding), None
+    runner, pieces = variant.split("_")
+    backend = fxsplit.Backend(runner=runner, capture=capture, compile_pieces=pieces, **binding)
+    return backend, None
+
+
 def _compiled(variant: str, fn, device: str, model: str):
     """``fn`` (a module, or a bound ``forward``) as ``variant`` runs it."""
     if variant == "eager":
         return fn
-    if variant == "reduce_overhead":
-        return torch.compile(fn, mode="reduce-overhead")
-    if variant == "partition":
-        return torch.compile(fn, mode="reduce-overhead")  # under _partitioned() (see _part)
-    capture = "cuda" if device == "cuda" else "emulate"
-    binding = {"input_binding": "copy"} if model == "llama" else {}
-    if variant == "floor":
-        runner = "v1" if model == "llama" else "v2"
-        return torch.compile(fn, backend=floor_backend(device, runner=runner, **binding))
-    runner, pieces = variant.split("_")
-    backend = fxsplit.Backend(runner=runner, capture=capture, compile_pieces=pieces, **binding)
-    return torch.compile(fn, backend=backend)
+    backend, mode = _backend(variant, device, model)
+    return torch.compile(fn, backend=backend, mode=mode)
 
 
 # The ops Inductor's graph partition cuts at for Llama: every form sdpa lowers to
@@ -216,12 +229,12 @@ def _partitioned(variant: str):
         yield
 
 
-def _llama(variant, device, batch, args) -> Figures:
-    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+def _llama_config(device: str, args):
+    from transformers import LlamaConfig
 
     hidden = args.hidden or (2048 if device == "cuda" else 64)
     heads = max(4, hidden // 64)
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=hidden,
         intermediate_size=hidden * 11 // 4,
         num_hidden_layers=args.layers,
@@ -230,6 +243,15 @@ def _llama(variant, device, batch, args) -> Figures:
         vocab_size=32000 if device == "cuda" else 256,
         max_position_embeddings=1024,
     )
+
+
+def _llama(variant, device, batch, args, model_name: str) -> Figures:
+    """transformers' Llama through ``generate()``, a new cache per call: ``llama`` (forward
+    compiled, StaticCache), ``llama_cc`` (transformers compiles forward: CompileConfig,
+    StaticCache), ``llama_dynamic`` (forward compiled, DynamicCache)."""
+    from transformers import CompileConfig, DynamicCache, LlamaForCausalLM, StaticCache
+
+    config = _llama_config(device, args)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -238,18 +260,75 @@ def _llama(variant, device, batch, args) -> Figures:
         0, config.vocab_size, (batch, 8), generator=torch.Generator().manual_seed(0)
     )
     prompt = prompt.to(device)
-    model.forward = _compiled(variant, model.forward, device, "llama")
     new = args.new_tokens
+    if model_name == "llama_cc":
+        if variant != "eager":
+            backend, mode = _backend(variant, device, model_name)
+            compile_config = CompileConfig(backend=backend, mode=mode)
+            compile_config._compile_all_devices = True  # transformers compiles on CUDA only
+            model.generation_config.compile_config = compile_config
+    else:
+        model.forward = _compiled(variant, model.forward, device, model_name)
     options = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
 
+    def cache():
+        if model_name == "llama_dynamic":
+            return DynamicCache(config=config)
+        return StaticCache(config=config, max_cache_len=8 + new + 8)
+
     def call():
-        cache = StaticCache(config=config, max_cache_len=8 + new + 8)
-        model.generate(prompt, cache=cache, **options)
+        return model.generate(prompt, cache=cache(), **options)
 
     with torch.no_grad():
         call()  # compiles, warms up and captures
-        call()
-        return _timed(call, args.calls, new, device, variant in FXSPLIT)
+        tokens = call()
+        figures = _timed(call, args.calls, new, device, variant in FXSPLIT)
+        if args.check and variant != "eager":
+            figures.same_tokens = torch.equal(tokens, _reference(device, batch, args, model_name))
+        return figures
+
+
+_REFERENCES: dict[tuple, torch.Tensor] = {}
+
+
+def _reference(device: str, batch: int, args, model_name: str) -> torch.Tensor:
+    """The tokens of ``model_name`` under ``torch.compile(backend="eager")``, the reference of
+    compiled variants (in bf16 transformers under Dynamo already differs from plain eager after
+    a few dozen tokens)."""
+    key = (device, batch, model_name)
+    if key not in _REFERENCES:
+        torch._dynamo.reset()
+        _REFERENCES[key] = _llama_tokens(device, batch, args, model_name)
+    return _REFERENCES[key]
+
+
+def _llama_tokens(device: str, batch: int, args, model_name: str) -> torch.Tensor:
+    from transformers import DynamicCache, LlamaForCausalLM, StaticCache
+
+    config = _llama_config(device, args)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval().to(device, dtype)
+    model.forward = torch.compile(model.forward, backend="eager")
+    prompt = torch.randint(
+        0, config.vocab_size, (batch, 8), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    new = args.new_tokens
+    cache = (
+        DynamicCache(config=config)
+        if model_name == "llama_dynamic"
+        else StaticCache(config=config, max_cache_len=8 + new + 8)
+    )
+    with torch.no_grad():
+        return model.generate(
+            prompt,
+            cache=cache,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 def _deepseek(variant, device, batch, args) -> Figures:
@@ -299,7 +378,9 @@ def _run(model: str, variant: str, device: str, batch: int, args) -> Figures:
     torch._dynamo.reset()
     counters.reset()
     with _partitioned(variant):
-        return (_llama if model == "llama" else _deepseek)(variant, device, batch, args)
+        if model == "deepseek":
+            return _deepseek(variant, device, batch, args)
+        return _llama(variant, device, batch, args, model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +397,7 @@ def report(results: dict, device: str) -> list[str]:
         lines.append(
             f"  {'variant':<16}{'ms':>9}{'captures/call':>14}{'replays/step':>13}"
             f"{'copies/step':>12}{'bytes/step':>12}{'vs floor':>9}{'vs partition':>13}"
+            f"{'tokens':>8}"
         )
         for variant, figures in row.items():
             if figures is None:
@@ -328,8 +410,13 @@ def report(results: dict, device: str) -> list[str]:
                 f"{_cell(figures.captures_per_call, 14)}{_cell(per.get('replays'), 13)}"
                 f"{_cell(per.get('input_copies'), 12)}{_cell(per.get('input_copy_bytes'), 12, 0)}"
                 f"{_cell(ratio, 9, 2, 'x')}{_cell(versus, 13, 2, 'x')}"
+                f"{_tokens(figures.same_tokens):>8}"
             )
     return lines
+
+
+def _tokens(same: bool | None) -> str:
+    return "-" if same is None else "same" if same else "DIFFER"
 
 
 def _ratio(figures: Figures, other: Figures | None) -> float | None:
@@ -340,16 +427,29 @@ def _cell(value, width: int, digits: int = 1, suffix: str = "") -> str:
     return ("-" if value is None else f"{value:.{digits}f}{suffix}").rjust(width)
 
 
-def plan(models, variants, batches, device: str) -> list[tuple[str, int]]:
-    """The (``model:variant``, batch) parts in run order; CUDA-only variants left out on a
-    CPU, the partition for Llama only."""
+def plan(models, variants, batches, device: str, parts=()) -> list[tuple[str, int]]:
+    """The (``model:variant``, batch) parts in run order: ``parts`` (``model:variant`` names)
+    where given, else every model under every variant; CUDA-only variants left out on a CPU,
+    the partition for Llama only (forward compiled)."""
+    names = list(parts) or [f"{m}:{v}" for m in models for v in variants]
     names = [
-        f"{m}:{v}"
-        for m in models
-        for v in variants
-        if (device == "cuda" or v not in CUDA_ONLY) and not (v == "partition" and m != "llama")
+        name
+        for name in names
+        if (device == "cuda" or name.split(":")[1] not in CUDA_ONLY)
+        and not (name.endswith(":partition") and not name.startswith("llama:"))
     ]
     return [(name, batch) for batch in sorted(batches) for name in names]
+
+
+def _part(text: str) -> str:
+    """An argparse type: ``model:variant``."""
+    model, _, variant = text.partition(":")
+    if model not in MODELS or variant not in VARIANTS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected model:variant, a model of {', '.join(MODELS)} and a variant of "
+            f"{', '.join(VARIANTS)}"
+        )
+    return text
 
 
 def main() -> None:
@@ -357,6 +457,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument(
+        "--parts", nargs="+", type=_part, default=(), help="model:variant pairs, in run order"
+    )
+    parser.add_argument(
+        "--check", action="store_true", help='compare Llama tokens with backend="eager"'
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=None, help="Llama's (2048 CUDA, 64 CPU)")
@@ -371,7 +477,7 @@ def main() -> None:
     if args.budget is not None and args.budget <= RESERVE:
         parser.error(f"--budget {args.budget:g}: must be over the {RESERVE:g} s kept for the table")
     budget = Budget(args.part_timeout, args.budget)
-    parts = plan(args.models, args.variants, args.batches, args.device)
+    parts = plan(args.models, args.variants, args.batches, args.device, args.parts)
     if args.dry_run:
         lines, fits = dry_run(parts, budget)
         print("\n".join(lines))

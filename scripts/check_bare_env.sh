@@ -15,7 +15,7 @@
 #     and Hugging Face generate tests, with the test extras installed into a folder beside the
 #     venv (the checks above stay bare);
 #   - scripts/gpu_check.sh end to end: the CUDA tests skip, tp_nccl_check.py says it skipped,
-#     the latency part skips, the summary table is printed and the exit status is 0.
+#     the decode and demo parts skip, the summary table is printed and the exit status is 0.
 # The first run downloads torch (about 3 GB, a few minutes); the venv is kept for later runs.
 # Usage: bash scripts/check_bare_env.sh   (CI runs it before the test suite)
 #   FXSPLIT_BARE_TORCH (default 2.11): the torch release; FXSPLIT_BARE_PYTHON: the interpreter
@@ -63,6 +63,7 @@ done
     tests/test_binding.py tests/test_model_state.py \
     >"$venv.tests.log" 2>&1 || { cat "$venv.tests.log" >&2; exit 1; }
 "$py" bench/decode_latency.py --help >/dev/null
+"$py" bench/decode.py --help >/dev/null
 "$py" bench/compile_time.py --help >/dev/null
 
 scratch="$(mktemp -d "${TMPDIR:-/tmp}/fxsplit-bare-check.XXXXXX")"
@@ -115,7 +116,7 @@ PYTHON="$py" bash scripts/gpu_check.sh --dry-run >"$scratch/plan.log" ||
     { cat "$scratch/plan.log" >&2; exit 1; }
 PYTHON="$py" OUT="$scratch" bash scripts/gpu_check.sh >"$scratch/gpu_check.log" 2>&1 ||
     { cat "$scratch/gpu_check.log" >&2; exit 1; }
-for expected in '^tests    exit 0' ' skipped' '^tp nccl  exit 0' '^latency  skipped'; do
+for expected in '^tests    exit 0' ' skipped' '^tp nccl  exit 0' '^decode   skipped' '^demo     skipped'; do
     if ! grep -q "$expected" "$scratch/gpu_check/summary.txt"; then
         cat "$scratch/gpu_check.log" >&2
         echo "bare env check: the GPU check's summary lacks '$expected'" >&2

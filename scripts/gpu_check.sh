@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # GPU check, run from the source tree on a CUDA machine with only what it has (torch, pytest,
-# numpy): no network, no pip install (hypothesis, expecttest, transformers, rich, tqdm and
+# numpy, transformers): no network, no pip install (hypothesis, expecttest, rich, tqdm and
 # pytest-timeout are used where present; tests needing a missing one skip). Its parts:
 #   device   torch's version, the device's name, the optional packages present
-#   tests    the CUDA-marked tests, Inductor pieces under real CUDA capture among them
+#   tests    the shared CUDA/emulator test bodies on CUDA (tests/test_runtime_devices.py),
+#            Inductor pieces under real CUDA capture among them
+#   decode   bench/decode.py at batch 1: transformers' Llama (hidden 2048, 16 layers, bf16)
+#            through generate() with a new StaticCache per call, forward compiled and through
+#            CompileConfig, and with a DynamicCache; fxsplit v1/v2 with eager and Inductor pieces
+#            beside eager, the bare piecewise floor, Inductor's graph partition and
+#            reduce-overhead; tokens against backend="eager", replays and copies counted; then
+#            the DeepSeek-V4 model
+#   demo     fxsplit demo --device cuda: what a GPU user runs first
 #   tp_nccl  the tensor-parallel path on one GPU (NCCL, world size 1, collectives captured:
 #            scripts/tp_nccl_check.py)
-#   latency  decode latency, batch 1, 8, 32: eager, fxsplit with Inductor pieces, the whole
-#            model in one CUDA graph, fxsplit with eager pieces, reduce-overhead, with the
-#            targets (bench/decode_latency.py)
 # It writes every figure and log under one folder ($OUT/gpu_check, or ./gpu_check) and prints
 # one summary table whatever happens (an EXIT trap; SIGINT or SIGTERM stops the running part the
 # way its time limit would, then the summary follows). Compiled pieces go to a fresh cache
@@ -19,32 +24,35 @@
 # scripts/timed_part.sh: SIGINT at its limit (pytest then writes its failure summary, the Python
 # scripts their tables), SIGKILL 10 s later (the grace) if it still runs.
 #   part      limit  grace
-#   device       30     10   the first torch import of a fresh machine reads its libraries cold
-#   tests       130     10   each test at most 90 s where pytest-timeout is installed
-#   tp_nccl      90     10
-#   latency     170     10   decode_latency.py --budget 160 counts from its process start and
-#                            keeps its last 10 s for the table and JSON: its parts (60 s at
-#                            most each) end by 150 s
+#   device       20     10   the first torch import of a fresh machine reads its libraries cold
+#   tests       110     10   each test at most 60 s where pytest-timeout is installed
+#   decode      150     10   bench/decode.py --budget 140 counts from its process start and
+#                            keeps its last 10 s for the table: its parts (at most 30 s each,
+#                            in the order of DECODE_PARTS) end by 130 s
+#   demo         70     10
+#   tp_nccl      50     10
 #   summary      10
-#   in all      470 <= 480
+#   in all      460 <= 480
 # `bash scripts/gpu_check.sh --dry-run` prints this plan from the figures below, checks that it
-# adds up, and prints decode_latency.py's own worst-case plan; it needs no GPU.
+# adds up, and prints bench/decode.py's own worst-case plan; it needs no GPU.
 # Usage: bash scripts/gpu_check.sh [--dry-run]    (PYTHON: the interpreter, default python3)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PYTHON=${PYTHON:-python3}
-TOTAL=480 GRACE=10 SUMMARY=10 TEST_TIMEOUT=90 LATENCY_BUDGET=160
-parts=(device tests tp_nccl latency)
-declare -A limit=([device]=30 [tests]=130 [tp_nccl]=90 [latency]=170)
-latency=(bench/decode_latency.py --device cuda --batches 1 8 32 --steps 50
-    --variants eager fxsplit_inductor cuda_graph fxsplit_eager reduce_overhead
-    --part-timeout 60 --budget "$LATENCY_BUDGET")
+TOTAL=480 GRACE=10 SUMMARY=10 TEST_TIMEOUT=60 DECODE_BUDGET=140
+parts=(device tests decode demo tp_nccl)
+declare -A limit=([device]=20 [tests]=110 [decode]=150 [demo]=70 [tp_nccl]=50)
+DECODE_PARTS=(llama:eager llama:v1_eager llama:floor llama:partition llama:reduce_overhead
+    llama:v1_inductor llama_cc:v1_eager llama_dynamic:v1_eager llama:v2_eager
+    deepseek:eager deepseek:v2_eager deepseek:v2_inductor deepseek:floor deepseek:reduce_overhead)
+decode=(bench/decode.py --device cuda --batches 1 --check --parts "${DECODE_PARTS[@]}"
+    --part-timeout 30 --budget "$DECODE_BUDGET")
 
 # plan: prints the time table; fails where it does not add up.
 plan() {
     local name sum=$SUMMARY ok=0
     declare -A inside=([tests]="each test at most $TEST_TIMEOUT s where pytest-timeout is installed"
-        [latency]="decode_latency.py --budget $LATENCY_BUDGET")
+        [decode]="bench/decode.py --budget $DECODE_BUDGET")
     printf '%-9s %5s %5s\n' part limit grace
     for name in "${parts[@]}"; do
         printf '%-9s %5s %5s%s\n' "$name" "${limit[$name]}" "$GRACE" \
@@ -58,8 +66,8 @@ plan() {
         echo "in all: $sum s > $TOTAL s: OVER"
         ok=1
     fi
-    if [ "$LATENCY_BUDGET" -ge "${limit[latency]}" ]; then
-        echo "decode_latency.py's budget ($LATENCY_BUDGET s) leaves no time of its part's limit"
+    if [ "$DECODE_BUDGET" -ge "${limit[decode]}" ]; then
+        echo "bench/decode.py's budget ($DECODE_BUDGET s) leaves no time of its part's limit"
         ok=1
     fi
     if [ "$TEST_TIMEOUT" -gt "${limit[tests]}" ]; then
@@ -72,8 +80,8 @@ plan() {
 if [ "${1:-}" = --dry-run ]; then
     plan
     fits=$?
-    echo "decode_latency.py, worst case:"
-    "$PYTHON" "${latency[@]}" --dry-run || fits=1
+    echo "bench/decode.py, worst case:"
+    "$PYTHON" "${decode[@]}" --dry-run || fits=1
     exit $fits
 elif [ $# -gt 0 ]; then
     echo "usage: bash scripts/gpu_check.sh [--dry-run]" >&2
@@ -82,7 +90,7 @@ fi
 
 out="${OUT:-.}/gpu_check"
 mkdir -p "$out"
-rm -f "$out"/*.status "$out"/*.log "$out/latency.json"
+rm -f "$out"/*.status "$out"/*.log "$out/decode.json"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 FXSPLIT_CACHE_DIR="$(mktemp -d "${TMPDIR:-/tmp}/fxsplit-gpu-check-cache.XXXXXX")"
 export FXSPLIT_CACHE_DIR
@@ -108,14 +116,16 @@ summary() {
     closing=$(grep -sE '^[0-9]+ (passed|failed|skipped|error)|^no tests ran' "$out/tests.log")
     [ -n "$closing" ] && echo "         ${closing##*$'\n'}"
     grep -sE '^(FAILED|ERROR) |^PASSED .*inductor' "$out/tests.log"
+    row decode decode
+    if grep -qs ' torch .*layers$' "$out/decode.log"; then
+        sed -n '/ torch .*layers$/,$p' "$out/decode.log"
+    else  # cut short before its table: the parts it measured, one line each
+        grep -sE '^  [a-z_]+:[a-z_0-9]+ batch ' "$out/decode.log"
+    fi
+    row demo demo
+    grep -sE '^ *(DeepSeek-V4|Llama) ' "$out/demo.log" | tail -n 8
     row tp_nccl "tp nccl"
     grep -sE '^v[12]:' "$out/tp_nccl.log"
-    row latency latency
-    if grep -qs '^ms per decode step' "$out/latency.log"; then
-        sed -n '/^ms per decode step/,$p' "$out/latency.log"
-    else  # cut short before its table: the parts it measured, one line each
-        grep -sE '^  [a-z_]+ batch ' "$out/latency.log"
-    fi
     echo "in all: $SECONDS s (plan: at most $TOTAL s)"
 }
 
@@ -167,10 +177,11 @@ if grep -qs 'optional packages present:.* pytest_timeout' "$out/device.log"; the
     tests+=(--timeout "$TEST_TIMEOUT")
 fi
 part tests "$PYTHON" "${tests[@]}"
-part tp_nccl "$PYTHON" scripts/tp_nccl_check.py
 if grep -qs 'no CUDA or ROCm device' "$out/device.log"; then
-    echo "skipped (no CUDA or ROCm device)" | tee "$out/latency.log"
+    echo "skipped (no CUDA or ROCm device)" | tee "$out/decode.log" >"$out/demo.log"
 else
-    part latency "$PYTHON" "${latency[@]}" --json "$out/latency.json"
+    part decode "$PYTHON" "${decode[@]}" --json "$out/decode.json"
+    part demo "$PYTHON" -m fxsplit.tools.cli demo --device cuda
 fi
+part tp_nccl "$PYTHON" scripts/tp_nccl_check.py
 exit 0

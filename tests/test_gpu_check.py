@@ -400,20 +400,21 @@ class GpuCheckPlan(expecttest.TestCase if expecttest else unittest.TestCase):
             "scripts/gpu_check.sh", "--dry-run", env={**os.environ, "PYTHON": sys.executable}
         )
         assert done.returncode == 0, done.stdout + done.stderr
-        table, latency_plan = done.stdout.split("decode_latency.py, worst case:\n")
+        table, decode_plan = done.stdout.split("bench/decode.py, worst case:\n")
         self.assertExpectedInline(
             table,
             """\
 part      limit grace
-device       30    10
-tests       130    10  each test at most 90 s where pytest-timeout is installed
-tp_nccl      90    10
-latency     170    10  decode_latency.py --budget 160
+device       20    10
+tests       110    10  each test at most 60 s where pytest-timeout is installed
+decode      150    10  bench/decode.py --budget 140
+demo         70    10
+tp_nccl      50    10
 summary      10
-in all: 470 s <= 480 s: fits
+in all: 460 s <= 480 s: fits
 """,
         )
-        assert latency_plan.rstrip().endswith("<= 160 s: fits")
+        assert decode_plan.rstrip().endswith("<= 140 s: fits")
 
 
 def test_a_stopped_gpu_check_stops_its_part_and_still_prints_the_summary(tmp_path):
@@ -436,7 +437,7 @@ def test_a_stopped_gpu_check_stops_its_part_and_still_prints_the_summary(tmp_pat
     summary = (folder / "summary.txt").read_text()
     assert summary in out
     rows = [line.split()[0] for line in summary.splitlines()[1:]]
-    assert rows[:2] == ["device", "tests"] and "tp" in rows and "latency" in rows
-    assert "tp nccl  not run" in summary and "latency  not run" in summary
+    assert rows[:2] == ["device", "tests"] and "tp" in rows and "decode" in rows
+    assert "tp nccl  not run" in summary and "decode   not run" in summary
     # the device part imports torch under a 30 s limit, which a busy machine may reach
     assert "device   exit " in summary and "tests    exit " in summary
