@@ -20,6 +20,7 @@ from torch import nn
 import fxsplit
 from fxsplit import counters
 from fxsplit.runtime.emulator import CaptureError, EmulatedGraph
+from fxsplit.runtime.output_lifetime import can_swap
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 
@@ -98,13 +99,14 @@ def test_an_export_within_the_step_holds_the_steps_values(export):
 
 def test_an_export_of_a_clone_or_of_a_held_output_keeps_its_values():
     """A clone is memory of its own; so is a held output once a replay moved it out of the
-    pool, and an array made of it afterwards keeps its values too."""
+    pool (where torch can move a storage: 2.11 invalidates it), and an array made of it
+    afterwards keeps its values too."""
     model, compiled = _Mlp(), _compiled(_Mlp())
     with torch.no_grad():
         clones = [compiled(_x(step)).clone().numpy() for step in range(4)]
         held = [compiled(_x(step)) for step in range(4, 8)]
         compiled(_x(8))  # every held output has moved out of the pool now
-        arrays = [out.numpy() for out in held]
+        arrays = [out.numpy() for out in held] if can_swap() else []
         compiled(_x(9))
     assert counters.snapshot()["replays"] >= 5
     for step, array in enumerate([*clones, *arrays]):
