@@ -149,12 +149,22 @@ def size_inputs(
     dynamic_arg_dims: Mapping[str, object] | None, gm: torch.fx.GraphModule | None = None
 ) -> tuple[str, ...]:
     """The arguments whose leading dim vLLM declares dynamic (``@support_torch_compile``'s
-    ``dynamic_arg_dims``: ``{"input_ids": 0, "positions": -1, ...}``), in declared order: the
-    token count, each with its own symbol in Dynamo's graph (``size_input``).
+    ``dynamic_arg_dims``: ``{"input_ids": 0, "positions": -1, "inputs_embeds": -2, ...}``), in
+    declared order: the token count, each with its own symbol in Dynamo's graph
+    (``size_input``).
 
-    A dim of -1 counts where the graph's tensor for that argument is 1-D (``positions``; the
-    3-row positions of multimodal rotary have the tokens last, not first); without ``gm``,
-    only dims declared 0 count.
+    A dim is an int, a list of them, or a dict keyed by them (vLLM's shape ids as values). A
+    negative dim counts from the end of the graph's tensor for that argument, as vLLM
+    normalises it before marking the dim dynamic (``ndim + dim``, in
+    ``vllm/compilation/decorators.py``): ``-1`` of 1-D ``positions`` and ``-2`` of 2-D
+    ``inputs_embeds`` are their leading dims, ``-1`` of the ``[3, tokens]`` positions of
+    multimodal rotary is not. Without ``gm``, or for an argument the graph holds no tensor of
+    (``intermediate_tensors``, whose tensors Dynamo lifts one by one), only dims declared 0
+    count.
+
+    Args:
+        dynamic_arg_dims: the declaration, argument name to dims; None or empty for none.
+        gm: the graph Dynamo traced, whose placeholders give each argument's rank.
     """
     if not dynamic_arg_dims:
         return ()
@@ -165,9 +175,19 @@ def size_inputs(
             dims = tuple(dims)
         elif isinstance(dims, int):
             dims = (dims,)
-        if any(d == 0 or (d == -1 and ranks.get(name) == 1) for d in dims):
+        if any(_normalised(d, ranks.get(name)) == 0 for d in dims):
             names.append(name)
     return tuple(names)
+
+
+def _normalised(dim: int, rank: int | None) -> int | None:
+    """A declared dim as vLLM marks it: a negative one counted from the end of ``rank`` dims;
+    None where it is negative and the rank unknown, or out of the rank's range."""
+    if dim < 0:
+        dim = rank + dim if rank is not None else -1
+    if dim < 0 or (rank is not None and dim >= rank):
+        return None
+    return dim
 
 
 def capture_sizes(compilation_config) -> tuple[int, ...] | None:

@@ -137,6 +137,57 @@ def test_size_inputs_are_the_arguments_vllm_declares_dynamic_in_their_leading_di
     assert size_inputs(None) == ()
 
 
+@pytest.mark.parametrize(
+    ("dims", "ranks", "expected"),
+    [
+        ({"inputs_embeds": -2}, {"inputs_embeds": 2}, ("inputs_embeds",)),  # [tokens, hidden]
+        ({"x": -2}, {"x": 3}, ()),
+        ({"x": [-3, 2]}, {"x": 3}, ("x",)),
+        ({"x": {-2: "tokens"}}, {"x": 2}, ("x",)),  # vLLM's shape ids as values
+        ({"x": -2}, {}, ()),  # no tensor to count from
+    ],
+)
+def test_a_negative_dim_counts_from_the_end_of_the_arguments_rank(dims, ranks, expected):
+    assert size_inputs(dims, _graph(**ranks)) == expected
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _declarations(draw):
+    """Arguments with a rank in the graph (or none: not a tensor of the graph) and the dims
+    declared for each, in each of vLLM's forms (an int, a list, a dict of shape ids)."""
+    names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=4, unique=True))
+    declared, ranks = {}, {}
+    for name in names:
+        rank = draw(st.one_of(st.none(), st.integers(1, 4)))
+        bound = rank or 4
+        dims = draw(st.lists(st.integers(-bound, bound - 1), min_size=1, max_size=3, unique=True))
+        form = draw(st.sampled_from(("int", "list", "dict")))
+        declared[name] = {"int": dims[0], "list": dims, "dict": dict.fromkeys(dims)}[form]
+        if rank is not None:
+            ranks[name] = rank
+    return declared, ranks
+
+
+@settings(max_examples=max(settings.default.max_examples // 5, 1))
+@given(_declarations())
+def test_the_size_inputs_are_the_arguments_whose_declared_dim_is_their_first(case):
+    """A declared dim names the tensor's dim as a Python index does (negative from the end):
+    the argument is a size input where one names dim 0; without a rank, where one is 0."""
+    declared, ranks = case
+    expected = []
+    for name, dims in declared.items():
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        rank = ranks.get(name)
+        if any(range(rank)[d] == 0 if rank is not None else d == 0 for d in dims):
+            expected.append(name)
+    assert size_inputs(declared, _graph(**ranks)) == tuple(expected)
+
+
 def test_the_adapter_refuses_to_compile_outside_vllm():
     pytest.importorskip("vllm")  # without vLLM the import error says it first
     with pytest.raises(RuntimeError, match="no vLLM config to read"):
