@@ -16,7 +16,9 @@ warm-up count, and vLLM's own ops that must stay eager, put into fxsplit's regio
 (:func:`eager_op_presets`).
 Options given to :class:`VllmBackend` win over what is read from vLLM.
 
-vLLM is never imported by ``import fxsplit``; this module imports it at compile time only.
+vLLM is never imported by ``import fxsplit``; this module imports it at compile time only, and
+only to ask what the config it was handed does not say (the current config where the compiled
+module holds none; the platform where it decides the runner).
 """
 
 from __future__ import annotations
@@ -74,12 +76,10 @@ class VllmBackend(Backend):
         Raises:
             RuntimeError: no vLLM config is found (not compiled by vLLM).
         """
-        from vllm.config import get_current_vllm_config_or_none
-
         module = _compiled_module()
         # vLLM compiles on the model's first call, outside its config context: the compiled
         # module (``@support_torch_compile``) holds the config it was built with.
-        vllm_config = getattr(module, "vllm_config", None) or get_current_vllm_config_or_none()
+        vllm_config = getattr(module, "vllm_config", None) or _current_vllm_config()
         if vllm_config is None:
             raise RuntimeError(
                 "fxsplit.vllm: no vLLM config to read: the compiled module has no vllm_config "
@@ -133,16 +133,19 @@ def runner_for(vllm_config, platform: str | None = None) -> str:
     Args:
         vllm_config: vLLM's ``VllmConfig`` (or any object with ``use_v2_model_runner`` and
             ``model_config.architecture``).
-        platform: ``"cuda"``, ``"rocm"`` or ``"cpu"``; None asks vLLM's ``current_platform``.
+        platform: ``"cuda"``, ``"rocm"`` or ``"cpu"``; None asks vLLM's ``current_platform``
+            (only for an architecture the platform decides, :data:`fxsplit.runners.V1_ON_ROCM`).
     """
     if not vllm_config.use_v2_model_runner:
         return "v1"
+    architecture = getattr(getattr(vllm_config, "model_config", None), "architecture", None)
+    if architecture not in V1_ON_ROCM:  # the platform decides nothing: vLLM is not asked
+        return "v2"
     if platform is None:
         from vllm.platforms import current_platform
 
         platform = "rocm" if current_platform.is_rocm() else "other"
-    architecture = getattr(getattr(vllm_config, "model_config", None), "architecture", None)
-    return "v1" if platform == "rocm" and architecture in V1_ON_ROCM else "v2"
+    return "v1" if platform == "rocm" else "v2"
 
 
 def size_inputs(
@@ -250,6 +253,13 @@ def _argument_ranks(gm: torch.fx.GraphModule) -> dict[str, int]:
         if name is not None and isinstance(value, torch.Tensor):
             ranks[name] = value.dim()
     return ranks
+
+
+def _current_vllm_config():
+    """vLLM's current config, or None (vLLM is imported here, at compile time only)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
 
 
 def _compiled_module() -> torch.nn.Module | None:

@@ -188,6 +188,70 @@ def test_the_size_inputs_are_the_arguments_whose_declared_dim_is_their_first(cas
     assert size_inputs(declared, _graph(**ranks)) == tuple(expected)
 
 
+# ------------------------------------------------------------------------------------------
+# The backend compiles with what it read: the runner and the eager ops of a stub vLLM config
+# ------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fxsplit_test_vllm::attend", mutates_args=())
+def _attend(x: torch.Tensor) -> torch.Tensor:
+    return x.softmax(-1) * x
+
+
+@_attend.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxsplit_test_vllm::kv_cache_update", mutates_args=())
+def _kv_cache_update(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@_kv_cache_update.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _StubVllmModel(torch.nn.Module):
+    """A model as vLLM compiles it: it holds the ``vllm_config`` it was built with (here a
+    stand-in), and calls a KV-cache write and an attention op of its own."""
+
+    def __init__(self, vllm_config):
+        super().__init__()
+        self.vllm_config = vllm_config
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.ops.fxsplit_test_vllm.kv_cache_update(self.proj(x))
+        return self.proj(torch.ops.fxsplit_test_vllm.attend(h)).relu()
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_the_backend_compiles_with_vllms_runner_and_its_splitting_ops(runner):
+    """vLLM on the CPU runs V1 and its default op list equals fxsplit's fallback, so only a
+    config of another runner and another list shows the backend uses what it read: the runner
+    (a KV-cache write is eager under v1 only) and the ops (neither op is in fxsplit's
+    fallback list)."""
+    splitting_ops = ["fxsplit_test_vllm::attend", "fxsplit_test_vllm::kv_cache_update"]
+    config = SimpleNamespace(
+        use_v2_model_runner=runner == "v2",
+        model_config=SimpleNamespace(architecture="LlamaForCausalLM"),
+        compilation_config=_Compilation(splitting_ops),
+    )
+    torch._dynamo.reset()
+    backend = VllmBackend(capture="off")
+    with torch.no_grad():
+        torch.compile(_StubVllmModel(config), backend=backend, fullgraph=True)(torch.randn(4, 8))
+    (plan,) = backend.plans
+    assert plan.runner == runner
+    reasons = {r for piece in plan.eager for r in piece.reasons}
+    expected = {"preset:engine_attention", "region:attention"}
+    if runner == "v1":
+        expected |= {"preset:engine_kv_cache_update", "region:attn_prep"}
+    assert reasons == expected, plan.format()
+
+
 def test_the_adapter_refuses_to_compile_outside_vllm():
     pytest.importorskip("vllm")  # without vLLM the import error says it first
     with pytest.raises(RuntimeError, match="no vLLM config to read"):
