@@ -26,22 +26,24 @@ is attention where all three hold:
 model's state is its parameters, and its buffers the graph does not write (a KV cache kept in a
 buffer and written in the step holds activations; one handed in as an argument is an activation
 too); whatever is computed from state alone is state (a dequantised int8 weight, a projection
-of learned queries). So these are not attention: a softmax over a router's or a codebook's
+of learned queries, a parameter expanded to an activation's shape: sizes carry no values). So
+these are not attention: a softmax over a router's or a codebook's
 logits (one operand is the model's state), over products of dequantised weights, a softmax
 gating activations with no second activation in its scores (a mixture's weights over experts,
 attention pooling by a learned query), cross-attention from learned queries (the queries are
 state, like a router's weights), and a softmax of activation scores weighting a parameter.
 A model that wants one of those run eagerly marks it with :func:`fxsplit.region`.
 
-The region is every node on a path from a scores contraction to the last values contraction,
-both included: the scale, the mask's addition, the softmax and its max, sum and casts, and
-attention sinks joined to the scores and sliced off again. The mask's own making, the
+The region is every node on a path of tensors from a scores contraction to the last values
+contraction, both included: the scale, the mask's addition, the softmax and its max, sum and
+casts, and attention sinks joined to the scores and sliced off again. The mask's own making
+(also one made to the scores' sizes, which a dynamic graph may read off the scores), the
 projections and the operands' reshaping before a contraction stay where they are.
 
 Between a contraction and the softmax the walk keeps to nodes holding as many elements as the
-softmax does (a cast, a scale, a mask's addition, a view of the scores) and stops at any other
-contraction, so a router's softmax never reaches back to the attention of the layer before it,
-nor a softmax forward into the next layer's products.
+softmax does (a cast, a scale, a mask's addition, a view of the scores) and ends at the first
+contraction it meets, so a router's softmax never reaches back to the attention of the layer
+before it, nor a softmax forward into the next layer's products.
 """
 
 from __future__ import annotations
