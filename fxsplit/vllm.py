@@ -16,7 +16,9 @@ warm-up count, and vLLM's own ops that must stay eager, put into fxsplit's regio
 (:func:`eager_op_presets`).
 Options given to :class:`VllmBackend` win over what is read from vLLM.
 
-vLLM is never imported by ``import fxsplit``; this module imports it at compile time only.
+vLLM is never imported by ``import fxsplit``; this module imports it at compile time only, and
+only to ask what the config it was handed does not say (the current config where the compiled
+module holds none; the platform where it decides the runner).
 """
 
 from __future__ import annotations
@@ -74,12 +76,10 @@ class VllmBackend(Backend):
         Raises:
             RuntimeError: no vLLM config is found (not compiled by vLLM).
         """
-        from vllm.config import get_current_vllm_config_or_none
-
         module = _compiled_module()
         # vLLM compiles on the model's first call, outside its config context: the compiled
         # module (``@support_torch_compile``) holds the config it was built with.
-        vllm_config = getattr(module, "vllm_config", None) or get_current_vllm_config_or_none()
+        vllm_config = getattr(module, "vllm_config", None) or _current_vllm_config()
         if vllm_config is None:
             raise RuntimeError(
                 "fxsplit.vllm: no vLLM config to read: the compiled module has no vllm_config "
@@ -133,28 +133,41 @@ def runner_for(vllm_config, platform: str | None = None) -> str:
     Args:
         vllm_config: vLLM's ``VllmConfig`` (or any object with ``use_v2_model_runner`` and
             ``model_config.architecture``).
-        platform: ``"cuda"``, ``"rocm"`` or ``"cpu"``; None asks vLLM's ``current_platform``.
+        platform: ``"cuda"``, ``"rocm"`` or ``"cpu"``; None asks vLLM's ``current_platform``
+            (only for an architecture the platform decides, :data:`fxsplit.runners.V1_ON_ROCM`).
     """
     if not vllm_config.use_v2_model_runner:
         return "v1"
+    architecture = getattr(getattr(vllm_config, "model_config", None), "architecture", None)
+    if architecture not in V1_ON_ROCM:  # the platform decides nothing: vLLM is not asked
+        return "v2"
     if platform is None:
         from vllm.platforms import current_platform
 
         platform = "rocm" if current_platform.is_rocm() else "other"
-    architecture = getattr(getattr(vllm_config, "model_config", None), "architecture", None)
-    return "v1" if platform == "rocm" and architecture in V1_ON_ROCM else "v2"
+    return "v1" if platform == "rocm" else "v2"
 
 
 def size_inputs(
     dynamic_arg_dims: Mapping[str, object] | None, gm: torch.fx.GraphModule | None = None
 ) -> tuple[str, ...]:
     """The arguments whose leading dim vLLM declares dynamic (``@support_torch_compile``'s
-    ``dynamic_arg_dims``: ``{"input_ids": 0, "positions": -1, ...}``), in declared order: the
-    token count, each with its own symbol in Dynamo's graph (``size_input``).
+    ``dynamic_arg_dims``: ``{"input_ids": 0, "positions": -1, "inputs_embeds": -2, ...}``), in
+    declared order: the token count, each with its own symbol in Dynamo's graph
+    (``size_input``).
 
-    A dim of -1 counts where the graph's tensor for that argument is 1-D (``positions``; the
-    3-row positions of multimodal rotary have the tokens last, not first); without ``gm``,
-    only dims declared 0 count.
+    A dim is an int, a list of them, or a dict keyed by them (vLLM's shape ids as values). A
+    negative dim counts from the end of the graph's tensor for that argument, as vLLM
+    normalises it before marking the dim dynamic (``ndim + dim``, in
+    ``vllm/compilation/decorators.py``): ``-1`` of 1-D ``positions`` and ``-2`` of 2-D
+    ``inputs_embeds`` are their leading dims, ``-1`` of the ``[3, tokens]`` positions of
+    multimodal rotary is not. Without ``gm``, or for an argument the graph holds no tensor of
+    (``intermediate_tensors``, whose tensors Dynamo lifts one by one), only dims declared 0
+    count.
+
+    Args:
+        dynamic_arg_dims: the declaration, argument name to dims; None or empty for none.
+        gm: the graph Dynamo traced, whose placeholders give each argument's rank.
     """
     if not dynamic_arg_dims:
         return ()
@@ -165,9 +178,19 @@ def size_inputs(
             dims = tuple(dims)
         elif isinstance(dims, int):
             dims = (dims,)
-        if any(d == 0 or (d == -1 and ranks.get(name) == 1) for d in dims):
+        if any(_normalised(d, ranks.get(name)) == 0 for d in dims):
             names.append(name)
     return tuple(names)
+
+
+def _normalised(dim: int, rank: int | None) -> int | None:
+    """A declared dim as vLLM marks it: a negative one counted from the end of ``rank`` dims;
+    None where it is negative and the rank unknown, or out of the rank's range."""
+    if dim < 0:
+        dim = rank + dim if rank is not None else -1
+    if dim < 0 or (rank is not None and dim >= rank):
+        return None
+    return dim
 
 
 def capture_sizes(compilation_config) -> tuple[int, ...] | None:
@@ -230,6 +253,13 @@ def _argument_ranks(gm: torch.fx.GraphModule) -> dict[str, int]:
         if name is not None and isinstance(value, torch.Tensor):
             ranks[name] = value.dim()
     return ranks
+
+
+def _current_vllm_config():
+    """vLLM's current config, or None (vLLM is imported here, at compile time only)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    return get_current_vllm_config_or_none()
 
 
 def _compiled_module() -> torch.nn.Module | None:

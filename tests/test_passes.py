@@ -298,6 +298,48 @@ def test_views_come_from_the_schemas_alias_info(op):
     assert op_facts.is_view(make_node(op, "call_method"))
 
 
+@torch.library.custom_op("fxsplit_test_passes::fill_into", mutates_args=("out",))
+def _fill_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x)
+
+
+class _Writes(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache = torch.nn.Buffer(torch.zeros(4, 8))
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, positions, out):
+        self.cache.index_copy_(0, positions, x)  # in-place: self
+        self.cache[positions] = x  # item assignment: the container
+        torch.add(x, 1, out=out)  # out=
+        torch.ops.fxsplit_test_passes.fill_into(x, out)  # mutates_args
+        return x @ self.w.T + x.float() + x.exp()  # reads only (``w.T`` may stay a getattr)
+
+
+def test_written_arguments_come_from_the_schemas_alias_info():
+    written = {}
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            names = [a.name for a in op_facts.written_arguments(node)]
+            if names:
+                written[str(node.target)] = names
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(_Writes(), backend=backend, fullgraph=True)(
+        torch.randn(4, 8), torch.arange(4), torch.empty(4, 8)
+    )
+    cache = "l_self_buffers_cache_"
+    assert written == {
+        "index_copy_": [cache],
+        str(operator.setitem): [cache],
+        str(torch.add): ["l_out_"],
+        "fxsplit_test_passes.fill_into": ["l_out_"],  # the packet Dynamo records
+    }
+
+
 @pytest.mark.parametrize("op", ["clone", "add", "zeros", "index", "add_"])
 def test_kernels_are_not_views(op):
     assert not op_facts.is_view(make_node(op, "call_method"))

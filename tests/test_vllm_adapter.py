@@ -137,6 +137,121 @@ def test_size_inputs_are_the_arguments_vllm_declares_dynamic_in_their_leading_di
     assert size_inputs(None) == ()
 
 
+@pytest.mark.parametrize(
+    ("dims", "ranks", "expected"),
+    [
+        ({"inputs_embeds": -2}, {"inputs_embeds": 2}, ("inputs_embeds",)),  # [tokens, hidden]
+        ({"x": -2}, {"x": 3}, ()),
+        ({"x": [-3, 2]}, {"x": 3}, ("x",)),
+        ({"x": {-2: "tokens"}}, {"x": 2}, ("x",)),  # vLLM's shape ids as values
+        ({"x": -2}, {}, ()),  # no tensor to count from
+    ],
+)
+def test_a_negative_dim_counts_from_the_end_of_the_arguments_rank(dims, ranks, expected):
+    assert size_inputs(dims, _graph(**ranks)) == expected
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _declarations(draw):
+    """Arguments with a rank in the graph (or none: not a tensor of the graph) and the dims
+    declared for each, in each of vLLM's forms (an int, a list, a dict of shape ids)."""
+    names = draw(st.lists(st.sampled_from("abcdef"), min_size=1, max_size=4, unique=True))
+    declared, ranks = {}, {}
+    for name in names:
+        rank = draw(st.one_of(st.none(), st.integers(1, 4)))
+        bound = rank or 4
+        dims = draw(st.lists(st.integers(-bound, bound - 1), min_size=1, max_size=3, unique=True))
+        form = draw(st.sampled_from(("int", "list", "dict")))
+        declared[name] = {"int": dims[0], "list": dims, "dict": dict.fromkeys(dims)}[form]
+        if rank is not None:
+            ranks[name] = rank
+    return declared, ranks
+
+
+@settings(max_examples=max(settings.default.max_examples // 5, 1))
+@given(_declarations())
+def test_the_size_inputs_are_the_arguments_whose_declared_dim_is_their_first(case):
+    """A declared dim names the tensor's dim as a Python index does (negative from the end):
+    the argument is a size input where one names dim 0; without a rank, where one is 0."""
+    declared, ranks = case
+    expected = []
+    for name, dims in declared.items():
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        rank = ranks.get(name)
+        if any(range(rank)[d] == 0 if rank is not None else d == 0 for d in dims):
+            expected.append(name)
+    assert size_inputs(declared, _graph(**ranks)) == tuple(expected)
+
+
+# ------------------------------------------------------------------------------------------
+# The backend compiles with what it read: the runner and the eager ops of a stub vLLM config
+# ------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fxsplit_test_vllm::attend", mutates_args=())
+def _attend(x: torch.Tensor) -> torch.Tensor:
+    return x.softmax(-1) * x
+
+
+@_attend.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxsplit_test_vllm::kv_cache_update", mutates_args=())
+def _kv_cache_update(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@_kv_cache_update.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _StubVllmModel(torch.nn.Module):
+    """A model as vLLM compiles it: it holds the ``vllm_config`` it was built with (here a
+    stand-in), and calls a KV-cache write and an attention op of its own."""
+
+    def __init__(self, vllm_config):
+        super().__init__()
+        self.vllm_config = vllm_config
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.ops.fxsplit_test_vllm.kv_cache_update(self.proj(x))
+        return self.proj(torch.ops.fxsplit_test_vllm.attend(h)).relu()
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_the_backend_compiles_with_vllms_runner_and_its_splitting_ops(runner):
+    """vLLM on the CPU runs V1 and its default op list equals fxsplit's fallback, so only a
+    config of another runner and another list shows the backend uses what it read: the runner
+    (a KV-cache write is eager under v1 only) and the ops (neither op is in fxsplit's
+    fallback list)."""
+    splitting_ops = ["fxsplit_test_vllm::attend", "fxsplit_test_vllm::kv_cache_update"]
+    config = SimpleNamespace(
+        use_v2_model_runner=runner == "v2",
+        model_config=SimpleNamespace(architecture="LlamaForCausalLM"),
+        compilation_config=_Compilation(splitting_ops),
+    )
+    torch._dynamo.reset()
+    backend = VllmBackend(capture="off")
+    with torch.no_grad():
+        torch.compile(_StubVllmModel(config), backend=backend, fullgraph=True)(torch.randn(4, 8))
+    (plan,) = backend.plans
+    assert plan.runner == runner
+    reasons = {r for piece in plan.eager for r in piece.reasons}
+    expected = {"preset:engine_attention", "region:attention"}
+    if runner == "v1":
+        expected |= {"preset:engine_kv_cache_update", "region:attn_prep"}
+    assert reasons == expected, plan.format()
+
+
 def test_the_adapter_refuses_to_compile_outside_vllm():
     pytest.importorskip("vllm")  # without vLLM the import error says it first
     with pytest.raises(RuntimeError, match="no vLLM config to read"):

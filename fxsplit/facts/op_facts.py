@@ -34,6 +34,7 @@ run decides them (an unbacked size, which the mark pass reads).
 from __future__ import annotations
 
 import inspect
+import operator
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ __all__ = [
     "sync_entry_points",
     "unsafe",
     "writes_out",
-    "written_args",
+    "written_arguments",
 ]
 
 aten = torch.ops.aten
@@ -550,37 +551,80 @@ def may_write(node: Node, dispatch: bool = False) -> bool:
     return _facts(node).writes
 
 
-def written_args(node: Node) -> tuple[Node, ...] | None:
-    """The argument nodes the op ``node`` calls may write, from its overloads' schemas (the
-    arguments annotated ``Tensor(a!)``: an in-place op's ``self``, a custom op's
-    ``mutates_args``, an ``out=`` argument); None where that is unknown (an op the dispatcher
-    does not know: any argument may be written)."""
+def written_arguments(node: Node) -> tuple[Node, ...]:
+    """The argument nodes ``node`` writes in place, by its op's schemas: those annotated
+    ``Tensor(a!)`` in any overload it may call that is not an ``out=`` form (``self`` of
+    ``index_copy_``, a custom op's ``mutates_args``), and the ``out=`` argument it hands
+    (:func:`writes_out`). ``x[i] = v`` (``operator.setitem``, which Dynamo records as a Python
+    operator, named after the view it indexes through) writes ``x``; an attribute read and a
+    Python operator on host values or tuples write nothing. A call of no op the dispatcher
+    knows (a user's function) may write any of its arguments: all of them; a Tensor method
+    with no aten op of its name (``x.float()``) is asked which ops it runs
+    (:func:`_method_writes`).
+
+    Args:
+        node: an FX node of any kind (placeholders and outputs write nothing).
+
+    Returns:
+        The written argument nodes in argument order, each once; a write through a view names
+        the view's node, not its base.
+    """
+    if node.op not in ("call_function", "call_method"):
+        return ()
+    if node.op == "call_function" and node.target is operator.setitem:
+        # Python's item assignment writes its container: the language says so, not a schema
+        return tuple(a for a in node.args[:1] if isinstance(a, Node))
+    if node.op == "call_function" and node.target is getattr:
+        return ()  # an attribute read (``w.T``, ``w.mT``: Dynamo may keep it as ``getattr``)
+    found: dict[Node, None] = {}
+    if writes_out(node):
+        found.update(dict.fromkeys(_flat_nodes(node.kwargs["out"])))
     names = op_names(node)
-    if names is None:
-        return None
-    found = [node.kwargs["out"]] if writes_out(node) else []
+    if names is None and getattr(node.target, "__module__", None) == "_operator":
+        return tuple(found)  # a Python operator on host values or tuples (``pair[0]``)
+    positions = _written_positions(names) if names is not None else None
+    if positions is None and names is not None and node.op == "call_method":
+        positions = () if not _method_writes(node) else None
+    if positions is None:
+        found.update(dict.fromkeys(node.all_input_nodes))
+        return tuple(found)
+    for i, name in positions:
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+        found.update(dict.fromkeys(_flat_nodes(value)))
+    return tuple(found)
+
+
+_WRITTEN: dict[tuple[str, str | None], tuple[tuple[int, str], ...] | None] = {}
+
+
+def _written_positions(names: tuple[str, str | None]) -> tuple[tuple[int, str], ...] | None:
+    """``(position, name)`` of the arguments annotated ``Tensor(a!)`` in the overloads a node
+    named ``names`` may call, ``out=`` forms left out; None where the op has no overload
+    (unknown). Cached per op name."""
+    try:
+        return _WRITTEN[names]
+    except KeyError:
+        pass
     overloads = _overloads(names)
-    if not overloads:
-        # a Tensor method with no aten op of its name (``x.float()``): the ops it runs say
-        return () if not found and not _method_writes(node) else None
+    found: dict[tuple[int, str], None] | None = {} if overloads else None
     for op in overloads:
-        for i, argument in enumerate(op._schema.arguments):
-            info = argument.alias_info
-            if info is None or not info.is_write:
-                continue
-            if argument.name in node.kwargs:
-                found.append(node.kwargs[argument.name])
-            elif i < len(node.args) and not argument.kwarg_only:
-                found.append(node.args[i])
-    leaves = [leaf for value in found for leaf in _nodes_in(value)]
-    return tuple(dict.fromkeys(leaves))
+        arguments = op._schema.arguments
+        if any(a.is_out for a in arguments):
+            continue
+        for i, argument in enumerate(arguments):
+            alias = argument.alias_info
+            if alias is not None and alias.is_write:
+                found[(i, argument.name)] = None
+    positions = _WRITTEN[names] = tuple(found) if found is not None else None
+    return positions
 
 
-def _nodes_in(value: Any) -> list[Node]:
+def _flat_nodes(value: Any) -> list[Node]:
+    """The nodes in an argument value (a node, or a list or tuple of them)."""
     if isinstance(value, Node):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _nodes_in(item)]
+        return [v for v in value if isinstance(v, Node)]
     return []
 
 

@@ -80,10 +80,7 @@ def find(graph: Graph, marks: Marks, attention: str) -> dict[Node, str]:
 def _writes(node: Node, memory: int) -> bool:
     """Whether ``node`` may write the storage ``memory`` (an argument its schema writes is over
     it; an op whose writes are unknown may write any argument)."""
-    written = op_facts.written_args(node)
-    if written is None:
-        return True
-    return memory in _storages(written)
+    return memory in _storages(op_facts.written_arguments(node))
 
 
 def _ancestors(nodes: Iterable[Node]) -> set[Node]:

@@ -9,10 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 
-vllm = pytest.importorskip("vllm")
+pytest.importorskip("vllm")
 
-from fxsplit.vllm import runner_for  # noqa: E402
-from tests.vllm import engine  # noqa: E402
+# imported by name: ``vllm`` binds ``vllm.config`` as an attribute only once something imports
+# it, which, with this module run alone, nothing had
+from vllm.config import VllmConfig
+
+from fxsplit.vllm import runner_for
+from tests.vllm import engine
 
 
 def _vllms_choice(monkeypatch, value: str | None):
@@ -27,7 +31,7 @@ def _vllms_choice(monkeypatch, value: str | None):
         _get_v2_model_runner_unsupported_features=lambda: [],
         model_config=SimpleNamespace(architecture="LlamaForCausalLM"),
     )
-    stub.use_v2_model_runner = vllm.config.VllmConfig.use_v2_model_runner.fget(stub)
+    stub.use_v2_model_runner = VllmConfig.use_v2_model_runner.fget(stub)
     return stub
 
 
