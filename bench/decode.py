@@ -31,12 +31,16 @@ Variants (``--variants``; those needing CUDA are left out on a CPU):
 
 On a CPU fxsplit and the floor capture with the emulator, and **the replay is stubbed** while
 timed (``EmulatedGraph.replay`` does nothing): a GPU replays asynchronously and, at small batch,
-waits for the host, so what is timed is host time per token, the GPU's bottleneck there.
-Numbers from a stubbed replay are not compared.
+waits for the host, so what is timed is host time per token, the GPU's bottleneck there (the
+process's CPU time, which other work on the machine inflates less than wall time; eager's row
+does its full work). Numbers from a stubbed replay are not compared. Each part reports its
+fastest timed call.
 
 Per variant and batch it prints milliseconds per token, and for fxsplit per decode step:
 captures per ``generate()`` call (after the first call), replays, input copies and bytes
-copied; then each fxsplit variant's ratio to the floor and, on CUDA, to the graph partition.
+copied; each fxsplit variant's ratio to the floor and, on CUDA, to the graph partition; and the
+milliseconds per token Python's garbage collector ran (Inductor's compiled pieces leave many
+more objects for a full collection to walk: a cost per step no piece shows).
 
 Usage: python bench/decode.py [--device cpu|cuda] [--models llama ... deepseek] [--variants ...]
        [--parts model:variant ...] [--batches 1 8 32] [--layers 16] [--hidden H]
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import signal
 import time
@@ -87,6 +92,7 @@ class Figures:
     captures_per_call: float | None = None
     per_step: dict[str, float] = field(default_factory=dict)
     same_tokens: bool | None = None  # with --check: the tokens of backend="eager"
+    gc_ms: float | None = None  # the garbage collector's milliseconds per token
 
 
 @contextlib.contextmanager
@@ -353,21 +359,47 @@ def _deepseek(variant, device, batch, args) -> Figures:
         return _timed(call, args.calls, steps, device, variant in FXSPLIT)
 
 
+@contextlib.contextmanager
+def _collections():
+    """The seconds Python's garbage collector ran (any generation) while inside, in a one-item
+    list: a full collection walks every tracked object, which Inductor's compiled pieces make
+    many more of, a cost per step no piece shows."""
+    spent = [0.0]
+    started = []
+
+    def timing(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            spent[0] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(timing)
+    try:
+        yield spent
+    finally:
+        gc.callbacks.remove(timing)
+
+
 def _timed(call, calls: int, tokens: int, device: str, counted: bool) -> Figures:
-    """``calls`` timed calls of ``tokens`` decode steps each (the replay stubbed on a CPU);
-    ``counted``: fxsplit ran them, and its counters say what happened."""
+    """``calls`` timed calls of ``tokens`` decode steps each; ms per token of the fastest call.
+    On CUDA wall time, the device synchronised around each call; on a CPU (the replay stubbed)
+    the process's CPU time, which other work on the machine does not inflate as it does wall
+    time. ``counted``: fxsplit ran them, and its counters say what happened."""
+    clock = time.perf_counter if device == "cuda" else time.process_time
     before = counters.snapshot()
-    with _stubbed_replay(device):
-        _sync(device)
-        start = time.perf_counter()
+    best = float("inf")
+    with _stubbed_replay(device), _collections() as collected:
         for _ in range(calls):
+            _sync(device)
+            start = clock()
             call()
-        _sync(device)
-        seconds = time.perf_counter() - start
+            _sync(device)
+            best = min(best, clock() - start)
     after = counters.snapshot()
     delta = {k: after[k] - before[k] for k in after}
     steps = calls * tokens
-    figures = Figures(seconds / steps * 1e3)
+    figures = Figures(best / tokens * 1e3)
+    figures.gc_ms = collected[0] / steps * 1e3
     if counted:
         figures.captures_per_call = delta["captures"] / calls
         figures.per_step = {k: delta[k] / steps for k in PER_STEP}
@@ -397,7 +429,7 @@ def report(results: dict, device: str) -> list[str]:
         lines.append(
             f"  {'variant':<16}{'ms':>9}{'captures/call':>14}{'replays/step':>13}"
             f"{'copies/step':>12}{'bytes/step':>12}{'vs floor':>9}{'vs partition':>13}"
-            f"{'tokens':>8}"
+            f"{'gc ms':>7}{'tokens':>8}"
         )
         for variant, figures in row.items():
             if figures is None:
@@ -410,7 +442,7 @@ def report(results: dict, device: str) -> list[str]:
                 f"{_cell(figures.captures_per_call, 14)}{_cell(per.get('replays'), 13)}"
                 f"{_cell(per.get('input_copies'), 12)}{_cell(per.get('input_copy_bytes'), 12, 0)}"
                 f"{_cell(ratio, 9, 2, 'x')}{_cell(versus, 13, 2, 'x')}"
-                f"{_tokens(figures.same_tokens):>8}"
+                f"{_cell(figures.gc_ms, 7, 3)}{_tokens(figures.same_tokens):>8}"
             )
     return lines
 
