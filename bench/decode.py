@@ -63,7 +63,7 @@ from decode_latency import RESERVE, Budget, _time_limit, dry_run, run_parts
 
 import fxsplit
 from fxsplit import counters
-from fxsplit.runtime.emulator import EmulatedGraph
+from fxsplit.runtime.emulation.emulator import EmulatedGraph
 
 VARIANTS = (
     "eager",
@@ -169,7 +169,7 @@ def floor_backend(device: str, **options):
     if device == "cuda":
         pool = torch.cuda.graph_pool_handle()
     else:
-        from fxsplit.runtime.emulated_pool import EmulatedPool
+        from fxsplit.runtime.emulation.emulated_pool import EmulatedPool
 
         pool = EmulatedPool()
 

@@ -21,7 +21,7 @@ import torch
 
 import fxsplit
 from fxsplit.models import deepseek_v4
-from fxsplit.runtime.lending import Borrower
+from fxsplit.runtime.memory.lending import Borrower
 
 
 class _NoOp(torch.nn.Module):

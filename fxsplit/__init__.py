@@ -30,18 +30,18 @@ _LAZY = {
     "region": "fxsplit.regions",
     "Backend": "fxsplit.backend",
     "plans": "fxsplit.backend",
-    "BindingError": "fxsplit.runtime.binding",
-    "CaptureError": "fxsplit.runtime.emulator",
-    "CaptureRefusedError": "fxsplit.runtime.captured",
-    "ConcurrentCallError": "fxsplit.runtime.session",
-    "HostValueChangedError": "fxsplit.runtime.emulator",
+    "BindingError": "fxsplit.runtime.inputs.binding",
+    "CaptureError": "fxsplit.runtime.emulation.emulator",
+    "CaptureRefusedError": "fxsplit.runtime.piece.captured",
+    "ConcurrentCallError": "fxsplit.runtime.step.session",
+    "HostValueChangedError": "fxsplit.runtime.emulation.emulator",
     "Config": "fxsplit.config",
     "Piece": "fxsplit.plan",
     "RankMismatchError": "fxsplit.distributed",
     "SplitPlan": "fxsplit.plan",
-    "StaleOutputError": "fxsplit.runtime.output_lifetime",
-    "StateMovedError": "fxsplit.runtime.emulator",
-    "VerifyError": "fxsplit.runtime.verify",
+    "StaleOutputError": "fxsplit.runtime.memory.output_lifetime",
+    "StateMovedError": "fxsplit.runtime.emulation.emulator",
+    "VerifyError": "fxsplit.runtime.piece.verify",
     "explain": "fxsplit.explain",
 }
 
@@ -53,12 +53,16 @@ if TYPE_CHECKING:
     from fxsplit.explain import explain
     from fxsplit.plan import Piece, SplitPlan
     from fxsplit.regions import ATTENTION, ATTN_PREP, SPARSE_INDEXER, region
-    from fxsplit.runtime.binding import BindingError
-    from fxsplit.runtime.captured import CaptureRefusedError
-    from fxsplit.runtime.emulator import CaptureError, HostValueChangedError, StateMovedError
-    from fxsplit.runtime.output_lifetime import StaleOutputError
-    from fxsplit.runtime.session import ConcurrentCallError
-    from fxsplit.runtime.verify import VerifyError
+    from fxsplit.runtime.emulation.emulator import (
+        CaptureError,
+        HostValueChangedError,
+        StateMovedError,
+    )
+    from fxsplit.runtime.inputs.binding import BindingError
+    from fxsplit.runtime.memory.output_lifetime import StaleOutputError
+    from fxsplit.runtime.piece.captured import CaptureRefusedError
+    from fxsplit.runtime.piece.verify import VerifyError
+    from fxsplit.runtime.step.session import ConcurrentCallError
 
 
 def __getattr__(name: str):

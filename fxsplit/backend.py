@@ -23,9 +23,9 @@ from fxsplit.frame import Frame, read_frame
 from fxsplit.passes import Split, inductor, inductor_startup, split
 from fxsplit.passes.mark import Policy
 from fxsplit.plan import SplitPlan
-from fxsplit.runtime import replay_watch
-from fxsplit.runtime.graph_runtime import GraphRuntime
-from fxsplit.runtime.session import CaptureSession
+from fxsplit.runtime.piece import replay_watch
+from fxsplit.runtime.step.graph_runtime import GraphRuntime
+from fxsplit.runtime.step.session import CaptureSession
 from fxsplit.size_input import size_inputs, traced_size
 
 log = logging.getLogger("fxsplit")
@@ -263,7 +263,7 @@ class Backend:
         collector frozen throughout) with a tqdm progress bar where tqdm is installed. A
         precompiled graph's compiled pieces load first (they would otherwise wait for their
         second call). Another thread's call meanwhile raises
-        :class:`~fxsplit.runtime.session.ConcurrentCallError`.
+        :class:`~fxsplit.runtime.step.session.ConcurrentCallError`.
 
         The leading dimension of every tensor argument whose size equals the capture size is
         marked dynamic first (``torch._dynamo.maybe_mark_dynamic``), so all sizes share one graph:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fxsplit.config import Config
-    from fxsplit.runtime.graph_runtime import GraphRuntime
+    from fxsplit.runtime.step.graph_runtime import GraphRuntime
     from fxsplit.split_result import Split
 
 __all__ = ["TOOLS", "BuiltGraph", "built", "register"]
@@ -38,7 +38,7 @@ class BuiltGraph:
             ``config.dump_folder`` is set (taking it costs a code generation).
         example_inputs: what Dynamo passed the backend.
         model: what was compiled (the root module's class or the function's name), or None.
-        runtime: its :class:`~fxsplit.runtime.graph_runtime.GraphRuntime`, or None where
+        runtime: its :class:`~fxsplit.runtime.step.graph_runtime.GraphRuntime`, or None where
             nothing is captured or checked.
     """
 

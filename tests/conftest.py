@@ -115,7 +115,7 @@ def fresh_dynamo():
 # ``torch._dynamo.reset()``, no allocated block in an emulated pool and no dropped pool's memory
 # still held. Memory still in use then was kept past the test: by fxsplit (a cache holding a
 # reference: a leak for the rest of the process) or by the test (which says so with
-# ``@pytest.mark.keeps_pool_memory(reason)``). See fxsplit/runtime/live.py.
+# ``@pytest.mark.keeps_pool_memory(reason)``). See fxsplit/runtime/memory/live.py.
 
 _collect = gc.collect  # fresh_capture_state stubs it out for the test's duration
 _SINCE = pytest.StashKey[tuple]()  # the pool serial numbers when the test began
@@ -123,10 +123,11 @@ _RAISED = pytest.StashKey[bool]()
 
 
 def _live():
-    """fxsplit.runtime.live, once fxsplit's runtime is imported (before that, no pool exists)."""
-    if "fxsplit.runtime.pool" not in sys.modules:
+    """fxsplit.runtime.memory.live, once fxsplit's runtime is imported (before that, no pool
+    exists)."""
+    if "fxsplit.runtime.memory.pool" not in sys.modules:
         return None
-    from fxsplit.runtime import live
+    from fxsplit.runtime.memory import live
 
     return live
 
@@ -148,12 +149,12 @@ def pytest_runtest_makereport(item, call):
 
 
 def kept_pool_memory(since=(0, 0), kinds=("hand-out", "loan", "block", "outliving")) -> list:
-    """What :func:`fxsplit.runtime.live.live_memory` finds of ``kinds`` in the pools made
+    """What :func:`fxsplit.runtime.memory.live.live_memory` finds of ``kinds`` in the pools made
     after ``since``, once garbage is collected: a reference cycle (a module and its hooks)
     keeps what it holds until a collection, which is no leak. Collecting costs ~0.3 s with
     torch loaded, so a generation-1 collection comes first and a full one only when that left
     something."""
-    from fxsplit.runtime.live import live_memory
+    from fxsplit.runtime.memory.live import live_memory
 
     found = [m for m in live_memory(since) if m.kind in kinds]
     for generation in (1, 2):
@@ -171,8 +172,8 @@ def _generator_capture_closed():
     itself after every failed capture: tests/test_runtime_devices.py): close it for the next
     test."""
     yield
-    if "fxsplit.runtime.emulator" in sys.modules:
-        sys.modules["fxsplit.runtime.emulator"].close_capture_state()
+    if "fxsplit.runtime.emulation.emulator" in sys.modules:
+        sys.modules["fxsplit.runtime.emulation.emulator"].close_capture_state()
 
 
 @pytest.hookimpl(wrapper=True)

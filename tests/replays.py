@@ -4,7 +4,7 @@ eager proves nothing about capture unless its pieces replayed."""
 from __future__ import annotations
 
 import fxsplit
-from fxsplit.runtime.capture import NO_KERNEL
+from fxsplit.runtime.piece.capture import NO_KERNEL
 
 
 def replays(backend: fxsplit.Backend) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""How captured pieces bind their inputs (``fxsplit/runtime/binding.py``): views of parameters
+"""How captured pieces bind their inputs (``fxsplit/runtime/inputs/binding.py``): views of
+parameters
 and buffers bound by address, one static buffer per caller tensor shared by every capture key and
 piece, and strict binding checked the same way with capture on and off."""
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import fxsplit
-from fxsplit.runtime.output_lifetime import can_swap
+from fxsplit.runtime.memory.output_lifetime import can_swap
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 

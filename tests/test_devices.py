@@ -11,7 +11,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import fxsplit
 from fxsplit.passes import mark, partition, split
-from fxsplit.runtime.capture import never_captured as _never_captured
+from fxsplit.runtime.piece.capture import never_captured as _never_captured
 
 
 def _traced(fn, *make_inputs):

@@ -1,4 +1,5 @@
-"""Tests of the CPU capture emulator (fxsplit.runtime.emulator). A replay runs the recorded ops
+"""Tests of the CPU capture emulator (fxsplit.runtime.emulation.emulator). A replay runs the
+recorded ops
 again on the same device, so every value is compared bit for bit (``rtol=0, atol=0``)."""
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fxsplit.runtime.emulated_pool import EmulatedPool
-from fxsplit.runtime.emulator import (
+from fxsplit.runtime.emulation.emulated_pool import EmulatedPool
+from fxsplit.runtime.emulation.emulator import (
     LEFT_CAPTURING,
     CaptureError,
     EmulatedGraph,

@@ -19,8 +19,8 @@ from torch import nn
 
 import fxsplit
 from fxsplit import counters
-from fxsplit.runtime.emulator import CaptureError, EmulatedGraph
-from fxsplit.runtime.output_lifetime import can_swap
+from fxsplit.runtime.emulation.emulator import CaptureError, EmulatedGraph
+from fxsplit.runtime.memory.output_lifetime import can_swap
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 

@@ -1,5 +1,6 @@
 """What fxsplit does around CUDA graph capture, tested on CPU: the decisions of
-:mod:`fxsplit.runtime.graphs` (which pool, which stream, what happens after a failed capture or a
+:mod:`fxsplit.runtime.cuda.graphs` (which pool, which stream, what happens after a failed capture
+or a
 reset) with torch.cuda's objects replaced by recorders. The CUDA tests in
 ``tests/test_runtime_devices.py`` check the same on a real device.
 """
@@ -17,7 +18,7 @@ import torch
 
 import fxsplit
 from fxsplit import counters
-from fxsplit.runtime import graphs
+from fxsplit.runtime.cuda import graphs
 
 
 class _Stream:

@@ -12,7 +12,7 @@ from torch._higher_order_ops.while_loop import while_loop
 from torch._higher_order_ops.wrap import wrap
 
 import fxsplit
-from fxsplit.runtime.emulator import CaptureError, EmulatedGraph
+from fxsplit.runtime.emulation.emulator import CaptureError, EmulatedGraph
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 

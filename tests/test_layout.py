@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "fxsplit"
-RUNTIME = sorted((ROOT / "runtime").glob("*.py"))
+RUNTIME = sorted((ROOT / "runtime").rglob("*.py"))
 # every module but the tools, their command line and the reference models (which the tools run)
 CORE = sorted(
     p
@@ -41,7 +41,7 @@ def _runtime_imports(path: pathlib.Path, typing: bool = False) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path", RUNTIME, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", RUNTIME, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_runtime_imports_nothing_from_the_passes_or_the_tools(path):
     """Not even for type annotations: the records it reads live in leaf modules."""
     bad = [
@@ -81,7 +81,16 @@ def test_a_runtime_module_that_imported_a_pass_would_be_caught(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("name", ["captured.py", "graph_runtime.py"])
+@pytest.mark.parametrize("name", ["piece/captured.py", "step/graph_runtime.py"])
 def test_the_runtimes_central_modules_stay_under_500_lines(name):
     lines = len((ROOT / "runtime" / name).read_text().splitlines())
     assert lines < 500, f"fxsplit/runtime/{name} has {lines} lines"
+
+
+def test_the_runtime_is_rooms_a_replay_walks_through():
+    """Every module of the run time lives in a room named after the path of a replay."""
+    rooms = {
+        p.relative_to(ROOT / "runtime").parts[0] for p in RUNTIME if p.parent != ROOT / "runtime"
+    }
+    assert rooms == {"step", "piece", "inputs", "memory", "emulation", "cuda"}
+    assert [p.name for p in RUNTIME if p.parent == ROOT / "runtime"] == ["__init__.py"]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fxsplit
-from fxsplit.runtime.output_lifetime import can_swap
+from fxsplit.runtime.memory.output_lifetime import can_swap
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
 

@@ -2,7 +2,7 @@
 
 A replay rewrites its outputs' memory, and may rewrite the outputs of graphs captured after it in
 the same pool. Outputs that leave fxsplit are handed out as fresh tensors the pool's ledger
-follows (``fxsplit/runtime/output_lifetime.py``): one still held when a write would reuse its
+follows (``fxsplit/runtime/memory/output_lifetime.py``): one still held when a write would reuse its
 memory moves to memory of its own with its values, on CUDA and in the emulator alike, and is the
 caller's from then on (read, written, handed back in). A torch that cannot move a storage (2.11)
 invalidates it instead: a read raises, and so does handing it to a compiled graph
@@ -26,7 +26,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 import fxsplit
 from fxsplit import counters
-from fxsplit.runtime.output_lifetime import can_swap
+from fxsplit.runtime.memory.output_lifetime import can_swap
 from tests.versions import needs_swap
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
@@ -449,7 +449,7 @@ class _Stashing(SinAttentionMlp):
 def test_a_captured_output_kept_by_an_eager_ops_kernel_keeps_its_values(clone_outputs):
     """piece_0's output feeds an eager splitting op whose kernel keeps a reference to it; it
     never leaves through the graph's outputs, and the next replay of piece_0 rewrites that
-    memory. The op was lent it (fxsplit/runtime/lending.py): the kept loan moves out of the
+    memory. The op was lent it (fxsplit/runtime/memory/lending.py): the kept loan moves out of the
     pool before that replay, so every kept value is eager's, with no warning and with or
     without clone_outputs (before: warned only, the values overwritten)."""
     STASHED.clear()

@@ -18,8 +18,8 @@ from torch import nn
 
 import fxsplit
 from fxsplit import counters
-from fxsplit.runtime.binding import RUNNER
-from fxsplit.runtime.static_buffers import own_buffer
+from fxsplit.runtime.inputs.binding import RUNNER
+from fxsplit.runtime.inputs.static_buffers import own_buffer
 from tests.versions import needs_swap
 from tests.warned import warned_at
 
@@ -244,7 +244,7 @@ def test_signed_zero_host_value_is_its_own_capture_key():
 
 
 def test_bool_and_int_host_values_are_different_keys():
-    from fxsplit.runtime.entry import key_function as _key_function
+    from fxsplit.runtime.piece.entry import key_function as _key_function
 
     key = _key_function(((0, None),))
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import fxsplit
-from fxsplit.runtime import captured as captured_module
-from fxsplit.runtime import emulated_pool
-from fxsplit.runtime.binding import Refused as _Refused
-from fxsplit.runtime.emulator import EmulatedGraph
-from fxsplit.runtime.graph_runtime import GraphRuntime
-from fxsplit.runtime.live import serials
-from fxsplit.runtime.pool import MemoryPool
+from fxsplit.runtime.emulation import emulated_pool
+from fxsplit.runtime.emulation.emulator import EmulatedGraph
+from fxsplit.runtime.inputs.binding import Refused as _Refused
+from fxsplit.runtime.memory.live import serials
+from fxsplit.runtime.memory.pool import MemoryPool
+from fxsplit.runtime.piece import captured as captured_module
+from fxsplit.runtime.step.graph_runtime import GraphRuntime
 from tests.conftest import _collect, kept_pool_memory
 from tests.nets import KeyFree
 

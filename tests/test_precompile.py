@@ -203,7 +203,7 @@ def test_a_load_by_another_thread_during_a_first_call_does_not_count_it_as_a_war
     (``Backend.capture`` of any backend loads every waiting piece of the process): that call
     ran no compiled code, so it is no warm-up, and the compiled code's first run (Triton's
     first launch compiles on CUDA) never lands inside the next call's capture."""
-    from fxsplit.runtime import emulator
+    from fxsplit.runtime.emulation import emulator
 
     model = Stack(1)
     loaded = _fresh_load(_aot(model, (torch.randn(3, 8),), tmp_path, capture="emulate"), tmp_path)

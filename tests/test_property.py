@@ -73,10 +73,10 @@ import fxsplit
 from fxsplit import cache, counters
 from fxsplit.passes import inductor
 from fxsplit.runners import Runner
-from fxsplit.runtime import captured as captured_module
-from fxsplit.runtime import emulator
-from fxsplit.runtime.binding import Refused as _Refused
-from fxsplit.runtime.output_lifetime import can_swap
+from fxsplit.runtime.emulation import emulator
+from fxsplit.runtime.inputs.binding import Refused as _Refused
+from fxsplit.runtime.memory.output_lifetime import can_swap
+from fxsplit.runtime.piece import captured as captured_module
 from tests.replays import replays
 
 D = 4  # feature width of every register; the batch dim varies

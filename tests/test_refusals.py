@@ -205,7 +205,7 @@ def test_capture_off_never_raises_a_capture_refusal():
 
 
 def test_verify_compares_bit_for_bit_in_the_emulator_and_within_tolerance_on_cuda():
-    from fxsplit.runtime.verify import same as _same
+    from fxsplit.runtime.piece.verify import same as _same
 
     a = torch.tensor([1.0, 2.0, float("nan")])
     b = a.clone()

@@ -29,10 +29,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import fxsplit
 from fxsplit import counters
 from fxsplit.models import deepseek_v4 as ds
-from fxsplit.runtime import provenance
-from fxsplit.runtime.binding import RUNNER, BindingError
-from fxsplit.runtime.emulator import CaptureError
-from fxsplit.runtime.verify import VerifyError
+from fxsplit.runtime.emulation.emulator import CaptureError
+from fxsplit.runtime.inputs.binding import RUNNER, BindingError
+from fxsplit.runtime.memory import provenance
+from fxsplit.runtime.piece.verify import VerifyError
 from tests.nets import RegionMlp
 from tests.replays import assert_replayed
 from tests.versions import needs_swap
@@ -619,7 +619,8 @@ def test_two_backends_share_no_stats():
 @needs_swap
 def test_two_backends_see_each_others_memory_through_the_one_record():
     """Which memory fxsplit produced is one record for the process
-    (:data:`fxsplit.runtime.provenance.RECORD`): an output of a model compiled with one backend
+    (:data:`fxsplit.runtime.memory.provenance.RECORD`): an output of a model compiled with one
+    backend
     is fxsplit's memory for every backend; a reset takes that backend's pools out of the record
     (the output it handed out moves to memory of its own: the caller's), and the record keeps
     no output alive."""
@@ -1193,7 +1194,7 @@ def test_a_call_while_another_thread_is_inside_one_raises_and_changes_nothing():
 
 
 def test_a_capture_key_names_an_opaque_object_by_type_and_ordinal_never_an_address():
-    from fxsplit.runtime.stats import key_text
+    from fxsplit.runtime.piece.stats import key_text
 
     class Handle:
         pass

@@ -26,8 +26,8 @@ import fxsplit
 from fxsplit import counters
 from fxsplit.models import deepseek_v4 as ds
 from fxsplit.passes import mark
-from fxsplit.runtime.binding import RUNNER, BindingError
-from fxsplit.runtime.output_lifetime import can_swap
+from fxsplit.runtime.inputs.binding import RUNNER, BindingError
+from fxsplit.runtime.memory.output_lifetime import can_swap
 from tests.nets import KeyFree, RegionMlp
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")

@@ -1,5 +1,5 @@
 """Sizes that change every step run eagerly (fxsplit.passes.step_sizes), the rest replays; the
-replay watch warns when a captured piece never replays (fxsplit.runtime.replay_watch)."""
+replay watch warns when a captured piece never replays (fxsplit.runtime.piece.replay_watch)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 import fxsplit
 from fxsplit import counters
 from fxsplit.facts.symbols import describe, symbols
-from fxsplit.runtime import replay_watch
+from fxsplit.runtime.piece import replay_watch
 
 # The toy models have no attention region: the runner's "no node is in any region" is expected.
 pytestmark = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxsplit.runtime.output_lifetime import can_swap
+from fxsplit.runtime.memory.output_lifetime import can_swap
 
 # torch 2.11 lacks UntypedStorage._swap_data_ptr_: the emulator invalidates a held output as CUDA
 # does (a read raises) and an output handed back in becomes unreadable after the step

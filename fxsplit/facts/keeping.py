@@ -1,7 +1,8 @@
 """Which inputs of an eager piece its code may keep past the call.
 
 An eager piece handed a captured output (in the pool, written again by the next replay) must
-be handed it as a loan (:mod:`fxsplit.runtime.lending`) where its code may keep that memory: a
+be handed it as a loan (:mod:`fxsplit.runtime.memory.lending`) where its code may keep that memory:
+a
 custom op or an ``allow_in_graph`` function storing its argument (EAGLE/MTP-style reuse of the
 hidden state), an op changing the tensor's layout in place, or the piece returning a view of it
 to code that runs later. Code that only computes from the memory needs no loan, and a loan costs
@@ -28,7 +29,7 @@ from torch.fx import Node
 
 from fxsplit.facts import op_facts
 
-__all__ = ["kept_inputs", "storages", "tracked"]
+__all__ = ["kept_inputs", "made_outputs", "storages", "tracked"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -100,6 +101,28 @@ def tracked(value: object, unknown: bool = True) -> bool:
         return torch._unpack_dual(value, 0).tangent is not None
     except Exception:
         return unknown
+
+
+def made_outputs(graph) -> tuple[int, ...]:
+    """The positions of ``graph``'s outputs the graph makes, not views of its inputs (from the
+    storages of Dynamo's example values); ``-1 - position`` where that is unknown (no example
+    value), for :meth:`~fxsplit.runtime.memory.provenance.Provenance.record_outputs` to tell at run
+    time."""
+    inputs = set()
+    for node in graph.find_nodes(op="placeholder"):
+        found = storages(node)
+        if found is not None:
+            inputs |= found
+    slots = []
+    (output,) = graph.find_nodes(op="output")
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    for slot, node in enumerate(values):
+        found = storages(node) if isinstance(node, Node) else frozenset()
+        if found is None:
+            slots.append(-1 - slot)
+        elif found and found.isdisjoint(inputs):
+            slots.append(slot)
+    return tuple(slots)
 
 
 def storages(node: Node) -> frozenset | None:

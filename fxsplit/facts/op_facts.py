@@ -44,6 +44,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fxsplit.facts.ops import dispatched_op_name, op_name, op_names
 
@@ -51,6 +52,7 @@ __all__ = [
     "ALLOCATIONS",
     "HOST_READS",
     "capture_refusal",
+    "generators",
     "host_read",
     "is_allocation",
     "is_pure",
@@ -61,6 +63,7 @@ __all__ = [
     "sync_entry_points",
     "unsafe",
     "writes_out",
+    "writes_unseen",
     "written_arguments",
 ]
 
@@ -696,3 +699,30 @@ def _evaluating(node: Node) -> bool:
     bound.apply_defaults()
     arguments = bound.arguments
     return arguments.get("training", arguments.get("train")) is False
+
+
+def generators(nodes, device: str) -> tuple:
+    """The generators on ``device`` (a device type) other than the default ones that ``nodes``
+    pass to their ops."""
+    found: dict[int, torch.Generator] = {}
+    for node in nodes:
+        for value in tree_leaves((node.args, node.kwargs)):
+            if isinstance(value, torch.Generator) and value.device.type == device:
+                found.setdefault(id(value), value)
+    return tuple(found.values())
+
+
+def writes_unseen(nodes) -> bool:
+    """Whether an eager piece of ``nodes`` may write a caller's tensor where its version counter
+    does not see it (a custom op refilling a staging tensor through ``.data``, a write through
+    another tensor over its memory): anything but ops of torch's own
+    (:func:`is_torch_op`, whose in-place writes bump the version counter
+    of what they write, and of its views) and indexing, or an in-place layout change of torch's
+    (``set_``: the tensor then writes memory of another with a counter of its own)."""
+    calls = ("call_function", "call_method", "call_module")
+    return any(
+        n.op in calls
+        and n.target is not operator.getitem
+        and (not is_torch_op(n) or changes_layout(n))
+        for n in nodes
+    )

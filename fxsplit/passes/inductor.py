@@ -105,7 +105,7 @@ class InductorPiece:
     Attributes:
         artifact: the compiled callable (returns a list of outputs), symbolic in the sizes.
         eager: the piece's generated Python (capture-legality checks run it, see
-            :mod:`fxsplit.runtime.captured`).
+            :mod:`fxsplit.runtime.piece.captured`).
         inputs: how the piece's arguments become the artifact's (a float argument as a 0-dim
             tensor, a specialised float left out: :class:`fxsplit.passes.piece_graph.Inputs`);
             None when they are the same.

@@ -1,7 +1,7 @@
 """Step-sizes pass: find the work whose shapes, or the host values it reads, change every step.
 
 A captured piece replays only when its capture key repeats, and the key holds every symbolic
-size and host value the piece reads (:func:`fxsplit.runtime.binding.key_reads`). In a decode
+size and host value the piece reads (:func:`fxsplit.runtime.inputs.binding.key_reads`). In a decode
 loop some of those change on every step: the KV length of a cache that grows by one token per
 step (transformers' ``DynamicCache`` concatenates keys and values), the masks and positions
 built over it, a host int counting the tokens cached so far (``cumulative_length_int`` of a

@@ -17,7 +17,7 @@ import re
 from html import escape
 from pathlib import Path
 
-from fxsplit.runtime.replay_watch import summary
+from fxsplit.runtime.piece.replay_watch import summary
 from fxsplit.tools.dump import KIND_COLOURS, RUNTIME_COUNTERS
 
 __all__ = ["render", "write_report"]

@@ -39,8 +39,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fxsplit.collectives import holds_until_wait, is_collective
 from fxsplit.facts import op_facts
 from fxsplit.facts.ops import dispatched_op_name
-from fxsplit.runtime.emulated_pool import EmulatedPool
-from fxsplit.runtime.storage import storage_ptr
+from fxsplit.runtime.emulation.emulated_pool import EmulatedPool
+from fxsplit.runtime.memory.storage import storage_ptr
 
 __all__ = [
     "LEFT_CAPTURING",
@@ -533,7 +533,8 @@ class _Recorder(TorchDispatchMode):
     offset), because a CUDA graph replays kernels on fixed addresses and layouts, so an in-place
     metadata change made later (``t_()``, ``unsqueeze_()``, ``as_strided_()``) must not reach
     steps recorded before it. Every tensor an op makes is moved into the graph's
-    :class:`~fxsplit.runtime.emulated_pool.EmulatedPool` (its memory reused as a CUDA pool's
+    :class:`~fxsplit.runtime.emulation.emulated_pool.EmulatedPool` (its memory reused as a CUDA
+    pool's
     is), except collectives' results, which their ``wait_tensor`` finds by identity, and tensors
     that require grad (the capture refuses those outputs).
     """
@@ -605,7 +606,7 @@ class _Recorder(TorchDispatchMode):
         """The results of one call moved into the pool (those ``fresh`` says are new), one
         block per storage: results that view one another (a compiled piece returning both
         halves of a split) still do, as they do in a CUDA graph's memory."""
-        from fxsplit.runtime.storage import view_over
+        from fxsplit.runtime.memory.storage import view_over
 
         blocks: dict[int, torch.UntypedStorage] = {}
         out = []
@@ -889,7 +890,7 @@ class EmulatedGraph:
       (``t_()``) does not reach ops recorded before it.
     * Frozen host values: Python scalars, shapes and ints (SymInts are specialised) seen at
       capture are baked into the record.
-    * One memory pool (:class:`~fxsplit.runtime.emulated_pool.EmulatedPool`, ``pool``; a
+    * One memory pool (:class:`~fxsplit.runtime.emulation.emulated_pool.EmulatedPool`, ``pool``; a
       private one by default): every tensor an op makes during capture lives in the pool, and a
       block freed during one capture (scratch) is handed to later allocations of this or another
       capture into the same pool, as the caching allocator does. Replaying a graph rewrites its
@@ -1079,7 +1080,8 @@ class EmulatedGraph:
 
         Raises:
             CaptureError: an op illegal under capture (see :meth:`capture`).
-            fxsplit.runtime.binding.Refused: the legality check could not run on fake tensors.
+            fxsplit.runtime.inputs.binding.Refused: the legality check could not run on fake
+            tensors.
             Exception: what ``fn`` or ``validate`` raised.
         """
         kept = [statics[i] for i in written if isinstance(statics[i], torch.Tensor)]
@@ -1133,11 +1135,11 @@ class EmulatedGraph:
 
         Raises:
             CaptureError: an op illegal under capture.
-            fxsplit.runtime.binding.Refused: the check itself could not run on fake tensors.
+            fxsplit.runtime.inputs.binding.Refused: the check itself could not run on fake tensors.
         """
         from torch._subclasses.fake_tensor import FakeTensorMode
 
-        from fxsplit.runtime.binding import Refused
+        from fxsplit.runtime.inputs.binding import Refused
 
         try:
             with FakeTensorMode(allow_non_fake_inputs=True) as mode:

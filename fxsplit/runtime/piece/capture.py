@@ -10,11 +10,12 @@ import dataclasses
 import torch
 
 from fxsplit.facts.aliasing import PieceAliasing
-from fxsplit.runtime import binding, provenance
-from fxsplit.runtime.binding import Bind, InputSpec, Refused
-from fxsplit.runtime.entry import Check, Entry, OutputView, Written, flat
-from fxsplit.runtime.static_buffers import AliasGuard, OwnBuffer
-from fxsplit.runtime.storage import storage_ptr
+from fxsplit.runtime.inputs import binding
+from fxsplit.runtime.inputs.binding import Bind, InputSpec, Refused
+from fxsplit.runtime.inputs.static_buffers import AliasGuard, OwnBuffer
+from fxsplit.runtime.memory import provenance
+from fxsplit.runtime.memory.storage import storage_ptr
+from fxsplit.runtime.piece.entry import Check, Entry, OutputView, Written, flat
 
 __all__ = ["NO_KERNEL", "NoKernel", "analyse", "capture", "never_captured"]
 
@@ -170,7 +171,7 @@ def _output_bases(piece, outputs, statics) -> list[int | None]:
 
 
 def _views(piece, outputs, statics, binds, bases) -> tuple:
-    """An :class:`~fxsplit.runtime.entry.OutputView` per output that is a view of an OWN
+    """An :class:`~fxsplit.runtime.piece.entry.OutputView` per output that is a view of an OWN
     input."""
     views = []
     for j, (out, i) in enumerate(zip(flat(outputs), bases, strict=True)):

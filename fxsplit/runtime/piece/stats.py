@@ -15,7 +15,7 @@ class PieceStats:
     input_copies, input_copy_bytes (bytes); ``copies_by_input[name]`` counts copies per input.
     Keys are capture keys (tuples); None collects runs outside capture (a step that may not
     capture). ``refusals[reason]`` counts calls that ran uncaptured for ``reason``; ``watch``
-    (a :class:`fxsplit.runtime.replay_watch.Watch`) hears of every capture key met for the
+    (a :class:`fxsplit.runtime.piece.replay_watch.Watch`) hears of every capture key met for the
     first time."""
 
     __slots__ = ("copies_by_input", "per_key", "refusals", "watch")

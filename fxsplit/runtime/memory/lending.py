@@ -21,7 +21,8 @@ makes of a loan keeps the pool's address, which no move reaches (docs/capture.md
 Where this torch cannot move a storage (2.11), a kept loan is invalidated as CUDA invalidates a
 handed-out output (a read raises) where the hook for that exists, else warned about.
 
-The ledger (:class:`~fxsplit.runtime.output_lifetime.OutputLedger`) frees loans with the rest of
+The ledger (:class:`~fxsplit.runtime.memory.output_lifetime.OutputLedger`) frees loans with the
+rest of
 its hand-outs: a graph freed, the pool released, a copy into the memory outside any replay.
 """
 
@@ -34,9 +35,9 @@ from typing import NamedTuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxsplit.runtime.storage import may_move, move_out, storage_ptr, view_over
+from fxsplit.runtime.memory.storage import may_move, move_out, storage_ptr, view_over
 
-__all__ = ["Borrower", "Loans"]
+__all__ = ["Borrower", "Loans", "borrower"]
 
 _POISON = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
 _USE_COUNT = torch._C._storage_Use_Count  # tensors (and storage objects) over one storage
@@ -276,3 +277,34 @@ def _back(value: torch.Tensor, handed: dict) -> torch.Tensor:
     if size == source.size() and stride == source.stride() and offset == source.storage_offset():
         return source
     return source.as_strided(size, stride, offset)
+
+
+def borrower(
+    module, kept: frozenset[int], nodes: dict, producer: dict, captured: list, stitched, loans
+) -> Borrower | None:
+    """A :class:`Borrower` running ``module`` (a piece of the stitched module ``stitched``)
+    eagerly with loans in place of the captured outputs it reads and may keep (``kept``: their
+    input positions, :func:`fxsplit.facts.keeping.kept_inputs`), and what other borrowers made
+    of theirs (views of loans) over their loans too; None where it reads none. ``nodes``: the
+    split graph's nodes by name; ``producer``: node -> the piece that makes it; ``captured``:
+    the captured pieces made so far, whose ``lent`` outputs grow by what ``module`` reads."""
+    by_name = {piece.name: piece for piece in captured}
+    pieces = stitched.__dict__
+    positions, views = [], []
+    lent: dict[str, set[int]] = {}
+    for i, name in enumerate(module.input_names):
+        if i not in kept:
+            continue
+        made_by = producer.get(nodes[name])
+        piece = by_name.get(made_by)
+        if piece is not None:
+            positions.append(i)
+            lent.setdefault(piece.name, set()).add(piece.output_names.index(name))
+        elif isinstance(pieces.get(made_by), Borrower):
+            views.append(i)
+    if not positions and not views:
+        return None
+    for name, outputs in lent.items():
+        piece = by_name[name]
+        piece.lent = tuple(sorted({*piece.lent, *outputs}))
+    return Borrower(module, tuple(positions), tuple(views), loans)

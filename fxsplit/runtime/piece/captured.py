@@ -2,14 +2,16 @@
 
 Hot path per call (:meth:`CapturedPiece.__call__`): build the key, look up its entry, keep the
 pool's replay order (a graph captured before one already replayed in this step is recaptured
-first, see :mod:`fxsplit.runtime.pool`), bind the inputs (:mod:`fxsplit.runtime.binding`: copy a
+first, see :mod:`fxsplit.runtime.memory.pool`), bind the inputs
+(:mod:`fxsplit.runtime.inputs.binding`: copy a
 changed value into fxsplit's own buffer, refuse a moved persistent tensor), invalidate the handed
 out outputs the replay may overwrite, replay, write back what the piece writes, and rebuild
 outputs that are views of an input over the caller's tensor. Parameters are not looked at here:
 the graph runtime checks them once per step. What the piece writes and aliases is read from its
 :class:`~fxsplit.facts.aliasing.PieceAliasing`, computed once at split time.
 
-With capture off and ``input_binding="strict"``, :class:`~fxsplit.runtime.checked.CheckedPiece`
+With capture off and ``input_binding="strict"``,
+:class:`~fxsplit.runtime.piece.checked.CheckedPiece`
 stands in instead: it checks what a capture would bind and never captures.
 """
 
@@ -21,14 +23,15 @@ import torch
 
 from fxsplit import counters
 from fxsplit.facts.aliasing import PieceAliasing
-from fxsplit.runtime import binding, provenance
-from fxsplit.runtime.binding import Bind, BindingError, InputSpec, Refused
-from fxsplit.runtime.capture import NO_KERNEL, NoKernel, capture, never_captured
-from fxsplit.runtime.entry import Entry, bound_function, flat, key_function, rebuild
-from fxsplit.runtime.replay_watch import Watch
-from fxsplit.runtime.stats import PieceStats
-from fxsplit.runtime.storage import storage_ptr
-from fxsplit.runtime.verify import verified_replay
+from fxsplit.runtime.inputs import binding
+from fxsplit.runtime.inputs.binding import Bind, BindingError, InputSpec, Refused
+from fxsplit.runtime.memory import provenance
+from fxsplit.runtime.memory.storage import storage_ptr
+from fxsplit.runtime.piece.capture import NO_KERNEL, NoKernel, capture, never_captured
+from fxsplit.runtime.piece.entry import Entry, bound_function, flat, key_function, rebuild
+from fxsplit.runtime.piece.replay_watch import Watch
+from fxsplit.runtime.piece.stats import PieceStats
+from fxsplit.runtime.piece.verify import verified_replay
 from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
 _TOTALS = counters.totals
@@ -50,11 +53,11 @@ class CapturedPiece(torch.nn.Module):
 
     Args:
         piece: the piece module (its ``forward`` is the uncaptured code).
-        specs: one :class:`~fxsplit.runtime.binding.InputSpec` per input.
-        key_reads: what the capture key reads (:func:`fxsplit.runtime.binding.key_reads`).
+        specs: one :class:`~fxsplit.runtime.inputs.binding.InputSpec` per input.
+        key_reads: what the capture key reads (:func:`fxsplit.runtime.inputs.binding.key_reads`).
         aliasing: what the piece writes and aliases (:mod:`fxsplit.facts.aliasing`).
         plan_piece: the :class:`~fxsplit.plan.Piece` (regions for messages, devices).
-        context: its graph's :class:`~fxsplit.runtime.context.GraphContext`.
+        context: its graph's :class:`~fxsplit.runtime.step.context.GraphContext`.
         generators: the CUDA generators other than the default one its nodes draw from.
     """
 
@@ -99,7 +102,7 @@ class CapturedPiece(torch.nn.Module):
         # an eager piece that may write runs just before it, maybe where a caller's tensor's
         # version counter does not see it: what fxsplit copied of those tensors is stale
         self.after_eager = after_eager
-        # its outputs that eager pieces read, lent to them (fxsplit.runtime.lending)
+        # its outputs that eager pieces read, lent to them (fxsplit.runtime.memory.lending)
         self.lent: tuple[int, ...] = ()
         self.entries: dict[tuple, Entry] = {}
         self.warmups: dict[tuple, int] = {}
@@ -338,7 +341,7 @@ class CapturedPiece(torch.nn.Module):
     def _recapture(self, entry: Entry, inputs):
         """Replace ``entry``'s graph by a new capture: it was captured before a graph already
         replayed in this step, so its replay could overwrite that graph's live outputs (see
-        :mod:`fxsplit.runtime.pool`)."""
+        :mod:`fxsplit.runtime.memory.pool`)."""
         self._check(entry, inputs)  # a persistent input that moved is the runner's bug
         log.info(
             "fxsplit %s: %s recaptured for key %s so that replays keep capture order",

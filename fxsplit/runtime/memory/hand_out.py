@@ -1,7 +1,7 @@
 """Outputs leaving a call of a graph, and earlier outputs coming back in.
 
 A call hands its outputs in the pool's memory out through the pool's
-:class:`~fxsplit.runtime.output_lifetime.OutputLedger` (:func:`hand_out`), or as clones under
+:class:`~fxsplit.runtime.memory.output_lifetime.OutputLedger` (:func:`hand_out`), or as clones under
 ``clone_outputs``. An output an earlier step handed out that comes back as an argument
 (``x = model(x)``) is read from a private copy for the call (:func:`take_over`), since the
 step's replays may overwrite its memory first; afterwards the caller's tensor gets memory of its
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from fxsplit.runtime import provenance
-from fxsplit.runtime.output_lifetime import can_swap, poison
-from fxsplit.runtime.storage import clone_sharing, is_strided, storage_ptr, view_over
+from fxsplit.runtime.memory import provenance
+from fxsplit.runtime.memory.output_lifetime import can_swap, poison
+from fxsplit.runtime.memory.storage import clone_sharing, is_strided, storage_ptr, view_over
 
 __all__ = ["hand_back", "hand_out", "take_over", "with_copies"]
 
@@ -76,7 +76,7 @@ def hand_out(out: tuple, pool, graph_id: str, clone: bool) -> tuple:
     """The outputs in the pool's memory as fresh tensors the ledger follows, or clones with
     ``clone_outputs`` (keeping eager's aliasing between them) and for the model's state where
     this torch cannot move it out of the pool later
-    (:meth:`~fxsplit.runtime.output_lifetime.OutputLedger.owns_copy`)."""
+    (:meth:`~fxsplit.runtime.memory.output_lifetime.OutputLedger.owns_copy`)."""
     owners, ledger = pool.owners, pool.ledger
     # addresses read before anything moves: a loan moved below takes every tensor over it along
     ptrs = {

@@ -10,9 +10,9 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxsplit.runtime import provenance
-from fxsplit.runtime.binding import Bind, Refused
-from fxsplit.runtime.storage import storage_ptr
+from fxsplit.runtime.inputs.binding import Bind, Refused
+from fxsplit.runtime.memory import provenance
+from fxsplit.runtime.memory.storage import storage_ptr
 
 __all__ = ["AliasGuard", "OwnBuffer", "OwnBuffers", "buffer_key", "new_own_buffer", "own_buffer"]
 
@@ -37,7 +37,7 @@ class OwnBuffer:
         self.mark = None
 
     def remember(self, value: torch.Tensor, epoch: int) -> None:
-        """``value`` was just copied in during ``epoch`` (:attr:`~fxsplit.runtime.context.
+        """``value`` was just copied in during ``epoch`` (:attr:`~fxsplit.runtime.step.context.
         GraphContext.epoch`): remember it (a weak reference, its version, data pointer and the
         epoch), telling the later pieces of that epoch whether it changed since. Only within
         one epoch: between calls the caller may refill the tensor where its version counter
@@ -46,7 +46,7 @@ class OwnBuffer:
         write it through another tensor over its memory with a counter of its own.
         Nothing is remembered where the version counter cannot tell: an inference tensor has
         none, and a replay changes a captured graph's output unseen; nor for a ``rebound``
-        parameter (see :class:`~fxsplit.runtime.binding.InputSpec`), copied every call."""
+        parameter (see :class:`~fxsplit.runtime.inputs.binding.InputSpec`), copied every call."""
         if self.rebound or value.is_inference() or provenance.RECORD.captured_output(value):
             self.mark = None
         else:

@@ -8,8 +8,8 @@ import logging
 
 import torch
 
-from fxsplit.runtime.entry import Entry, flat
-from fxsplit.runtime.storage import clone_sharing
+from fxsplit.runtime.memory.storage import clone_sharing
+from fxsplit.runtime.piece.entry import Entry, flat
 
 __all__ = ["VerifyError", "same", "verified_replay"]
 

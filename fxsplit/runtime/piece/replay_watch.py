@@ -1,6 +1,7 @@
 """Replay watch: say when a graph's captured pieces never replay, and sum up what they did.
 
-A captured piece replays only when a capture key repeats (:mod:`fxsplit.runtime.binding`). When a
+A captured piece replays only when a capture key repeats (:mod:`fxsplit.runtime.inputs.binding`).
+When a
 size or host value in the key changes on every call, each call captures a new graph (or runs
 uncaptured once the key limit is reached): numbers stay right and nothing replays. The split runs
 the sizes it can tell change every step eagerly (:mod:`fxsplit.passes.step_sizes`); this module
@@ -8,7 +9,8 @@ catches the rest at run time: a piece that met :data:`NEW_KEYS` capture keys wit
 warns once per graph, naming the piece, what changed every call (in the model's terms where
 Dynamo traced it to a source) and what to do.
 
-Fed by :class:`fxsplit.runtime.stats.PieceStats` when a piece first meets a capture key, so the
+Fed by :class:`fxsplit.runtime.piece.stats.PieceStats` when a piece first meets a capture key, so
+the
 replay path costs nothing. :func:`summary` renders one line per graph for the log
 (``TORCH_LOGS=fxsplit``) and the dump's report.
 """
@@ -36,10 +38,10 @@ class Watch:
     """The replay watch of one captured piece.
 
     Args:
-        piece: the :class:`~fxsplit.runtime.captured.CapturedPiece` (its ``name``, ``specs``
+        piece: the :class:`~fxsplit.runtime.piece.captured.CapturedPiece` (its ``name``, ``specs``
             and ``runtime`` are read only when it warns).
         reads: what its capture key reads, one ``(input index, dim or None)`` per key part
-            (:func:`fxsplit.runtime.binding.key_reads`).
+            (:func:`fxsplit.runtime.inputs.binding.key_reads`).
     """
 
     __slots__ = ("piece", "reads", "up_front")

@@ -1,6 +1,6 @@
 """What a backend's compiled graphs share at run time (a :class:`CaptureSession`): one thread
 inside a call at a time, the model's steps, and the memory pools. Which memory fxsplit produced is
-one record for the whole process, shared by every backend: :mod:`fxsplit.runtime.provenance`.
+one record for the whole process, shared by every backend: :mod:`fxsplit.runtime.memory.provenance`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import threading
 
 import torch
 
-from fxsplit.runtime import provenance
-from fxsplit.runtime.pool import MemoryPool
+from fxsplit.runtime.memory import provenance
+from fxsplit.runtime.memory.pool import MemoryPool
 from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
 __all__ = ["CaptureSession", "ConcurrentCallError"]
@@ -36,10 +36,10 @@ class CaptureSession:
     A *step* is one call of the model: it starts with a call of a graph compiled from the frame
     the caller entered, or with the next call of a graph already called in the step (a model
     whose own frame compiled no graph, a graph called twice per step). Replays keep capture
-    order within a step (:mod:`fxsplit.runtime.pool`).
+    order within a step (:mod:`fxsplit.runtime.memory.pool`).
 
     The session's pools, and what its graphs return, are in the process-wide record of which
-    memory fxsplit produced (:data:`fxsplit.runtime.provenance.RECORD`) until it closes.
+    memory fxsplit produced (:data:`fxsplit.runtime.memory.provenance.RECORD`) until it closes.
     """
 
     def __init__(self):
@@ -112,7 +112,7 @@ class CaptureSession:
     def warn_kept(self, graph_id: str, piece: str) -> None:
         """Warn once per piece that an output lent to eager code is still referenced after its
         call, where this torch can neither move nor invalidate it
-        (:meth:`~fxsplit.runtime.lending.Loans.settle`)."""
+        (:meth:`~fxsplit.runtime.memory.lending.Loans.settle`)."""
         if (graph_id, piece) in self._warned_kept:
             return
         self._warned_kept.add((graph_id, piece))
@@ -127,7 +127,7 @@ class CaptureSession:
     def close(self) -> None:
         """Release every output the pools handed out and that is still held (their memory is
         about to go): moved to memory of its own, see
-        :meth:`~fxsplit.runtime.output_lifetime.OutputLedger.release_all`. Its pools and what
+        :meth:`~fxsplit.runtime.memory.output_lifetime.OutputLedger.release_all`. Its pools and what
         its graphs returned leave the process-wide record: other backends stop asking them."""
         for pool in self.pools.values():
             pool.ledger.release_all()

@@ -14,8 +14,8 @@ import warnings
 
 import torch
 
-from fxsplit.runtime.emulated_pool import EmulatedPool
-from fxsplit.runtime.emulator import CaptureError, EmulatedGraph
+from fxsplit.runtime.emulation.emulated_pool import EmulatedPool
+from fxsplit.runtime.emulation.emulator import CaptureError, EmulatedGraph
 
 __all__ = ["CaptureError", "CudaGraph", "DeviceCapture", "EmulatedGraph", "new_graph"]
 

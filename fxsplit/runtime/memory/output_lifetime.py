@@ -30,7 +30,8 @@ replay), as cudagraph trees' outputs do. fxsplit patches nothing in torch to see
 a clone to keep one (docs/capture.md, "Exports").
 
 A captured piece's output that an eager piece of the same graph reads is lent to it
-(:mod:`fxsplit.runtime.lending`): a loan an eager op keeps moves out of the pool before the next
+(:mod:`fxsplit.runtime.memory.lending`): a loan an eager op keeps moves out of the pool before the
+next
 step's replays, and the ledger frees loans with its other hand-outs.
 """
 
@@ -42,8 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxsplit.runtime.lending import Loans
-from fxsplit.runtime.storage import may_move, move_out, view_over
+from fxsplit.runtime.memory.lending import Loans
+from fxsplit.runtime.memory.storage import may_move, move_out, view_over
 
 __all__ = ["OutputLedger", "StaleOutputError", "can_swap", "poison"]
 
@@ -96,7 +97,7 @@ class OutputLedger:
     """The outputs one memory pool handed out that may still be referenced.
 
     Attributes:
-        loans: the outputs lent to eager pieces (:class:`~fxsplit.runtime.lending.Loans`).
+        loans: the outputs lent to eager pieces (:class:`~fxsplit.runtime.memory.lending.Loans`).
         poison: this torch cannot move a storage and invalidates held outputs instead (2.11).
         can_invalidate: a held output can be moved or invalidated; where neither is possible,
             outputs are handed out as clones.

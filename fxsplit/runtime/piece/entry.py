@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from fxsplit.runtime import binding
-from fxsplit.runtime.binding import Bind
-from fxsplit.runtime.stats import StaticAddress
+from fxsplit.runtime.inputs import binding
+from fxsplit.runtime.inputs.binding import Bind
+from fxsplit.runtime.piece.stats import StaticAddress
 
 if TYPE_CHECKING:
-    from fxsplit.runtime.static_buffers import AliasGuard, OwnBuffer
+    from fxsplit.runtime.inputs.static_buffers import AliasGuard, OwnBuffer
 
 __all__ = [
     "Check",
@@ -135,7 +135,8 @@ def rebuild(value, size, stride, offset, dtype, conj, neg, itself) -> torch.Tens
 def key_function(reads):
     """``inputs -> capture key``: every host value the piece reads, told apart exactly (by type:
     ``True`` / ``1`` / ``1.0``; by text: ``0.0`` / ``-0.0``, while NaN matches NaN), and each
-    distinct dynamic size of its tensor inputs (see :func:`fxsplit.runtime.binding.key_reads`).
+    distinct dynamic size of its tensor inputs (see
+    :func:`fxsplit.runtime.inputs.binding.key_reads`).
     Generated as one tuple expression because this runs on every call."""
     parts = [
         f"(a[{i}].__class__, a[{i}] if a[{i}] == a[{i}] and a[{i}] != 0 else repr(a[{i}]))"

@@ -77,7 +77,7 @@ def _outlive(segments: list, allocated: set, serial: int, held=()) -> None:
 
 
 # Every pool alive, and the serial number of the last one made: a test's teardown asks which pools
-# it made that still hold memory (fxsplit.runtime.live).
+# it made that still hold memory (fxsplit.runtime.memory.live).
 _POOLS: weakref.WeakSet[EmulatedPool] = weakref.WeakSet()
 _SERIAL = 0  # the last pool's serial number
 
@@ -173,7 +173,7 @@ class EmulatedPool:
         """A tensor like ``tensor`` (dtype, size, stride, offset, conjugate and negative bits)
         over a new block of this pool, holding ``tensor``'s values where ``copy`` (an allocation's
         contents are undefined: without ``copy`` the block keeps what it held)."""
-        from fxsplit.runtime.storage import view_over
+        from fxsplit.runtime.memory.storage import view_over
 
         source = tensor.untyped_storage()
         storage = self.allocate(source.nbytes())
@@ -191,7 +191,7 @@ class EmulatedPool:
     def record_view(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A tensor with ``tensor``'s metadata over the record storage of its block (so a record
         holding it does not keep the block allocated); None when ``tensor`` is not in the pool."""
-        from fxsplit.runtime.storage import view_over
+        from fxsplit.runtime.memory.storage import view_over
 
         block = self.block_of(tensor)
         if block is None:
@@ -212,7 +212,8 @@ class EmulatedPool:
         self._label = None
 
     def outlive(self, held=()) -> None:
-        """The pool is going (its owner's finalizer, :class:`~fxsplit.runtime.pool.MemoryPool`):
+        """The pool is going (its owner's finalizer,
+        :class:`~fxsplit.runtime.memory.pool.MemoryPool`):
         if the model still holds a tensor over its memory (a block's program storage, or a
         storage among ``held``, weak references), its segments stay alive until every one of
         them is gone, as a CUDA tensor keeps its block. A pool nobody calls this for does the

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from fxsplit.runtime import binding, provenance
-from fxsplit.runtime.binding import Bind
-from fxsplit.runtime.captured import CapturedPiece
-from fxsplit.runtime.entry import Check, Entry
+from fxsplit.runtime.inputs import binding
+from fxsplit.runtime.inputs.binding import Bind
+from fxsplit.runtime.memory import provenance
+from fxsplit.runtime.piece.captured import CapturedPiece
+from fxsplit.runtime.piece.entry import Check, Entry
 
 __all__ = ["CheckedPiece"]
 
 
 class CheckedPiece(CapturedPiece):
     """Stands in for a captured piece when capture is off and binding is strict; takes
-    :class:`~fxsplit.runtime.captured.CapturedPiece`'s arguments.
+    :class:`~fxsplit.runtime.piece.captured.CapturedPiece`'s arguments.
 
     Raises:
         fxsplit.BindingError: at a call, a persistent (strict) runner input moved since the

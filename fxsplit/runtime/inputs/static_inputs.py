@@ -14,7 +14,7 @@ where they were at capture, so they are checked once per step (:meth:`StaticInpu
   memory (:meth:`StaticInputs.settled`), when they are read by address again.
 
 A marked-static cache handed in as an argument (``torch._dynamo.mark_static_address``) is no
-parameter here: the capture key reads its address (:mod:`fxsplit.runtime.binding`).
+parameter here: the capture key reads its address (:mod:`fxsplit.runtime.inputs.binding`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import weakref
 import torch
 
 from fxsplit.facts.inputs import is_static_input
-from fxsplit.runtime import provenance
-from fxsplit.runtime.storage import storage_ptr
+from fxsplit.runtime.memory import provenance
+from fxsplit.runtime.memory.storage import storage_ptr
 
 __all__ = ["SETTLED", "StaticInputs"]
 

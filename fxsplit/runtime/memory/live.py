@@ -15,7 +15,7 @@ Two moments tell different things (``tests/conftest.py`` asks at both):
   says they were kept);
 - after ``torch._dynamo.reset()``: an emulated pool that still has allocated blocks, or the
   segments of a dropped one that a tensor still holds
-  (:class:`~fxsplit.runtime.emulated_pool.Outliving`).
+  (:class:`~fxsplit.runtime.emulation.emulated_pool.Outliving`).
 
 The registries are weak (no pool lives longer for being asked about), and asking walks only the
 pools alive, so a check that finds nothing costs next to nothing. Nothing here collects garbage:
@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fxsplit.runtime import emulated_pool, pool
+from fxsplit.runtime.emulation import emulated_pool
+from fxsplit.runtime.memory import pool
 
 __all__ = ["Live", "live_memory", "serials"]
 
@@ -40,8 +41,9 @@ class Live:
             ``"loan"`` (an output lent to an eager piece that something kept), ``"block"`` (an
             allocated block of a live emulated pool) or ``"outliving"`` (the segments of a
             dropped emulated pool that tensors still hold).
-        pool: the serial number of the pool (a :class:`~fxsplit.runtime.pool.MemoryPool`'s for
-            hand-outs and loans, an :class:`~fxsplit.runtime.emulated_pool.EmulatedPool`'s
+        pool: the serial number of the pool (a :class:`~fxsplit.runtime.memory.pool.MemoryPool`'s
+        for
+            hand-outs and loans, an :class:`~fxsplit.runtime.emulation.emulated_pool.EmulatedPool`'s
             otherwise).
         nbytes: the bytes kept (0 where not known: hand-outs and loans).
         made_by: the graphs and pieces whose memory it is, where known.

@@ -13,11 +13,11 @@ by construction:
   capture key without the token count) is recaptured first: its new graph is the newest, so
   nothing it writes is live (:meth:`MemoryPool.in_order`);
 - outputs that leave fxsplit are handed out through the pool's
-  :class:`~fxsplit.runtime.output_lifetime.OutputLedger`, which invalidates them before a
+  :class:`~fxsplit.runtime.memory.output_lifetime.OutputLedger`, which invalidates them before a
   replay that may overwrite them.
 
 On CUDA the pool's memory is the caching allocator's private pool (:class:`DeviceCapture`); in
-the emulator an :class:`~fxsplit.runtime.emulated_pool.EmulatedPool` with the same reuse.
+the emulator an :class:`~fxsplit.runtime.emulation.emulated_pool.EmulatedPool` with the same reuse.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import weakref
 
 import torch
 
-from fxsplit.runtime.emulated_pool import EmulatedPool
-from fxsplit.runtime.graphs import DeviceCapture, new_graph
-from fxsplit.runtime.output_lifetime import OutputLedger
+from fxsplit.runtime.cuda.graphs import DeviceCapture, new_graph
+from fxsplit.runtime.emulation.emulated_pool import EmulatedPool
+from fxsplit.runtime.memory.output_lifetime import OutputLedger
 
 __all__ = ["MemoryPool"]
 
@@ -102,6 +102,6 @@ def _gone(emulated: EmulatedPool, ledger: OutputLedger) -> None:
 
 
 # Every memory pool alive, and the serial number of the last one made: a test's teardown asks
-# which pools it made still hand memory out (fxsplit.runtime.live).
+# which pools it made still hand memory out (fxsplit.runtime.memory.live).
 _POOLS: weakref.WeakSet[MemoryPool] = weakref.WeakSet()
 _SERIAL = 0  # the last pool's serial number

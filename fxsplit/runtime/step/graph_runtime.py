@@ -3,32 +3,30 @@
 Per step (:meth:`GraphRuntime.__call__`): decide whether this step may capture/replay (capture
 sizes, grad mode), check parameter addresses once (a move invalidates every captured graph of
 this graph and recaptures), then run the stitched module, whose captured pieces are
-:class:`~fxsplit.runtime.captured.CapturedPiece` objects.
+:class:`~fxsplit.runtime.piece.captured.CapturedPiece` objects.
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 from typing import TYPE_CHECKING
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from fxsplit import counters
 from fxsplit.config import Config
 from fxsplit.facts import keeping, op_facts
 from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.facts.inputs import is_static_argument
-from fxsplit.runtime import binding, provenance
-from fxsplit.runtime.captured import CapturedPiece, CaptureRefusedError
-from fxsplit.runtime.checked import CheckedPiece
-from fxsplit.runtime.context import GraphContext
-from fxsplit.runtime.hand_out import hand_back, hand_out, take_over, with_copies
-from fxsplit.runtime.lending import Borrower
-from fxsplit.runtime.pool import MemoryPool
-from fxsplit.runtime.session import CaptureSession
-from fxsplit.runtime.static_inputs import FIRST, REBOUND, SAME, SETTLED, StaticInputs
+from fxsplit.runtime.inputs import binding
+from fxsplit.runtime.inputs.static_inputs import FIRST, REBOUND, SAME, SETTLED, StaticInputs
+from fxsplit.runtime.memory import lending, provenance
+from fxsplit.runtime.memory.hand_out import hand_back, hand_out, take_over, with_copies
+from fxsplit.runtime.memory.pool import MemoryPool
+from fxsplit.runtime.piece.captured import CapturedPiece, CaptureRefusedError
+from fxsplit.runtime.piece.checked import CheckedPiece
+from fxsplit.runtime.step.context import GraphContext
+from fxsplit.runtime.step.session import CaptureSession
 from fxsplit.size_input import size_input_index
 from fxsplit.warn import warn_at_caller
 
@@ -52,7 +50,7 @@ class GraphRuntime:
     parameter addresses once (a move invalidates every captured graph of this graph and
     recaptures), copy earlier steps' outputs handed back in (this step's replays may overwrite
     them), run the stitched module, and hand its outputs out of the memory pool
-    (:mod:`fxsplit.runtime.output_lifetime`).
+    (:mod:`fxsplit.runtime.memory.output_lifetime`).
 
     Args:
         split: the split graph, with its pieces' aliasing facts (its stitched module's captured
@@ -60,7 +58,7 @@ class GraphRuntime:
         config: the options it was compiled with.
         mode: ``"cuda"``, ``"emulate"`` or ``"check"``.
         example_inputs: Dynamo's example inputs (locate the size input and parameters).
-        pool: the :class:`~fxsplit.runtime.pool.MemoryPool` the graph's captures share with
+        pool: the :class:`~fxsplit.runtime.memory.pool.MemoryPool` the graph's captures share with
             the backend's other graphs on this device; None for ``"check"``.
         device: the device of the graph's tensors.
         session: the backend's :class:`CaptureSession`.
@@ -139,7 +137,7 @@ class GraphRuntime:
             config.size_input,
         )
         self._resumed = frame is not None and frame.model_values
-        self._made = _made_outputs(split.graph_module.graph)
+        self._made = keeping.made_outputs(split.graph_module.graph)
         self._stitched = stitched
         self.pieces = self._install()
         self._forward = stitched.forward
@@ -222,7 +220,7 @@ class GraphRuntime:
                     facts,
                     each.plan,
                     self.context,
-                    _generators(part.nodes, "cuda" if self.mode == "cuda" else "cpu"),
+                    op_facts.generators(part.nodes, "cuda" if self.mode == "cuda" else "cpu"),
                     after_eager,
                 )
                 after_eager = False
@@ -230,7 +228,15 @@ class GraphRuntime:
                     # its uncaptured runs (warm-ups, refusals) are eager code that an op of it
                     # (a custom op) may keep what it reads in: lent, as to an eager piece
                     kept = keeping.kept_inputs(inputs, part.nodes, ())
-                    borrower = self._borrower(module, kept, nodes, producer, pieces)
+                    borrower = lending.borrower(
+                        module,
+                        kept,
+                        nodes,
+                        producer,
+                        pieces,
+                        self._stitched,
+                        self.pool.ledger.loans,
+                    )
                     if borrower is not None:
                         captured.run_eagerly = borrower
                 # the stitched module's generated code calls it through its instance dict
@@ -238,46 +244,25 @@ class GraphRuntime:
                 object.__setattr__(self._stitched, captured.name, captured)
                 pieces.append(captured)
             else:
-                after_eager |= _may_write(part.nodes)
+                after_eager |= op_facts.writes_unseen(part.nodes)
                 if self.pool is not None:
                     outputs = [nodes[name] for name in module.output_names]
                     inputs = [nodes[name] for name in module.input_names]
                     kept = keeping.kept_inputs(inputs, part.nodes, outputs)
-                    borrower = self._borrower(module, kept, nodes, producer, pieces)
+                    borrower = lending.borrower(
+                        module,
+                        kept,
+                        nodes,
+                        producer,
+                        pieces,
+                        self._stitched,
+                        self.pool.ledger.loans,
+                    )
                     if borrower is not None:
                         object.__setattr__(self._stitched, module.name, borrower)
             for name in module.output_names:
                 producer[nodes[name]] = module.name
         return pieces
-
-    def _borrower(
-        self, module, kept: frozenset[int], nodes: dict, producer: dict, captured: list
-    ) -> Borrower | None:
-        """A :class:`~fxsplit.runtime.lending.Borrower` running ``module`` eagerly with loans in
-        place of the captured outputs it reads and may keep (``kept``: their input positions,
-        :func:`fxsplit.facts.keeping.kept_inputs`), and what other borrowers made of theirs
-        (views of loans) over their loans too (:mod:`fxsplit.runtime.lending`); None where it
-        reads none."""
-        by_name = {piece.name: piece for piece in captured}
-        stitched = self._stitched.__dict__
-        positions, views = [], []
-        lent: dict[str, set[int]] = {}
-        for i, name in enumerate(module.input_names):
-            if i not in kept:
-                continue
-            made_by = producer.get(nodes[name])
-            piece = by_name.get(made_by)
-            if piece is not None:
-                positions.append(i)
-                lent.setdefault(piece.name, set()).add(piece.output_names.index(name))
-            elif isinstance(stitched.get(made_by), Borrower):
-                views.append(i)
-        if not positions and not views:
-            return None
-        for name, outputs in lent.items():
-            piece = by_name[name]
-            piece.lent = tuple(sorted({*piece.lent, *outputs}))
-        return Borrower(module, tuple(positions), tuple(views), self.pool.ledger.loans)
 
     def __call__(self, *args):
         session = self.session
@@ -380,7 +365,7 @@ class GraphRuntime:
         """Follow the parameters and buffers (:meth:`StaticInputs.follow`): recapture where
         weights moved, or make those the model rebinds runner inputs; returns the private
         copies taken of rebound ones that are earlier outputs
-        (:func:`~fxsplit.runtime.hand_out.take_over`), or None."""
+        (:func:`~fxsplit.runtime.memory.hand_out.take_over`), or None."""
         what, indices = self.statics.follow(args, self.context.calls)
         if what in (FIRST, REBOUND):
             return self._rebind(indices, args) if indices else None
@@ -402,7 +387,7 @@ class GraphRuntime:
     def _rebind(self, indices: list[int], args) -> list | None:
         """Parameters the model rebinds are fxsplit's to copy from now on
         (:meth:`StaticInputs.rebind`); those that are earlier outputs are copied first
-        (returned, see :func:`~fxsplit.runtime.hand_out.take_over`): the reset releases what
+        (returned, see :func:`~fxsplit.runtime.memory.hand_out.take_over`): the reset releases what
         this graph handed out (moved, or invalidated on torch 2.11), and this step still reads
         them."""
         names = self.statics.names(indices)
@@ -468,7 +453,8 @@ class GraphRuntime:
     def reset(self) -> int:
         """Free every captured graph and static buffer (keys start over with warmup); outputs
         handed out of them and still held move to memory of their own
-        (:meth:`~fxsplit.runtime.output_lifetime.OutputLedger.release_order`). Returns how many
+        (:meth:`~fxsplit.runtime.memory.output_lifetime.OutputLedger.release_order`). Returns how
+        many
         graphs were dropped."""
         dropped = 0
         for piece in self.pieces:
@@ -484,55 +470,6 @@ class GraphRuntime:
         if dropped and self.pool is not None and self.pool.cuda is not None:
             self.pool.cuda.renew(f"{self.graph_id} reset")
         return dropped
-
-
-def _made_outputs(graph) -> tuple[int, ...]:
-    """The positions of ``graph``'s outputs the graph makes, not views of its inputs (from the
-    storages of Dynamo's example values); ``-1 - position`` where that is unknown (no example
-    value), for :meth:`~fxsplit.runtime.provenance.Provenance.record_outputs` to tell at run
-    time."""
-    inputs = set()
-    for node in graph.find_nodes(op="placeholder"):
-        found = keeping.storages(node)
-        if found is not None:
-            inputs |= found
-    slots = []
-    (output,) = graph.find_nodes(op="output")
-    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    for slot, node in enumerate(values):
-        found = keeping.storages(node) if isinstance(node, torch.fx.Node) else frozenset()
-        if found is None:
-            slots.append(-1 - slot)
-        elif found and found.isdisjoint(inputs):
-            slots.append(slot)
-    return tuple(slots)
-
-
-def _generators(nodes, device: str) -> tuple:
-    """The generators on ``device`` (a device type) other than the default ones that ``nodes``
-    pass to their ops."""
-    found: dict[int, torch.Generator] = {}
-    for node in nodes:
-        for value in tree_leaves((node.args, node.kwargs)):
-            if isinstance(value, torch.Generator) and value.device.type == device:
-                found.setdefault(id(value), value)
-    return tuple(found.values())
-
-
-def _may_write(nodes) -> bool:
-    """Whether an eager piece of ``nodes`` may write a caller's tensor where its version counter
-    does not see it (a custom op refilling a staging tensor through ``.data``, a write through
-    another tensor over its memory): anything but ops of torch's own
-    (:func:`fxsplit.facts.op_facts.is_torch_op`, whose in-place writes bump the version counter
-    of what they write, and of its views) and indexing, or an in-place layout change of torch's
-    (``set_``: the tensor then writes memory of another with a counter of its own)."""
-    calls = ("call_function", "call_method", "call_module")
-    return any(
-        n.op in calls
-        and n.target is not operator.getitem
-        and (not op_facts.is_torch_op(n) or op_facts.changes_layout(n))
-        for n in nodes
-    )
 
 
 __all__ = ["GraphRuntime"]

@@ -2,15 +2,15 @@
 every backend, since one model's output handed to a model compiled with another backend is
 fxsplit's memory there too.
 
-Memory fxsplit produced is never the caller's (see :mod:`fxsplit.runtime.binding`). It is:
+Memory fxsplit produced is never the caller's (see :mod:`fxsplit.runtime.inputs.binding`). It is:
 
 - memory of an open memory pool: a captured graph's output storages
-  (:attr:`MemoryPool.owners <fxsplit.runtime.pool.MemoryPool>`) and what the pool handed out
-  (its :class:`~fxsplit.runtime.output_lifetime.OutputLedger`);
+  (:attr:`MemoryPool.owners <fxsplit.runtime.memory.pool.MemoryPool>`) and what the pool handed out
+  (its :class:`~fxsplit.runtime.memory.output_lifetime.OutputLedger`);
 - the outputs every graph returned on its last call (a graph Dynamo resumes after a graph
   break reads them as inputs), captured or not;
 - the private copies a call under way reads instead of earlier outputs handed back in
-  (:func:`~fxsplit.runtime.hand_out.take_over`).
+  (:func:`~fxsplit.runtime.memory.hand_out.take_over`).
 
 Outputs are known by storage identity (``untyped_storage()._cdata``, with a ``StorageWeakRef``
 saying whether that storage is still alive, as ``torch/_inductor/cudagraph_trees.py`` does),
@@ -18,7 +18,7 @@ never by address: the allocator hands a freed address out again at once. A pool'
 outputs are known by address, which the pool owns while it is open.
 
 The record holds weak references only: no tensor, storage or pool lives longer for being
-recorded. A backend's :class:`~fxsplit.runtime.session.CaptureSession` registers the pools it
+recorded. A backend's :class:`~fxsplit.runtime.step.session.CaptureSession` registers the pools it
 makes and, when it closes (their memory is released), drops them and what its graphs returned.
 """
 
@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from fxsplit.runtime.storage import is_strided, storage_ptr
+from fxsplit.runtime.memory.storage import is_strided, storage_ptr
 
 if TYPE_CHECKING:
-    from fxsplit.runtime.pool import MemoryPool
+    from fxsplit.runtime.memory.pool import MemoryPool
 
 __all__ = ["RECORD", "Provenance"]
 
@@ -173,7 +173,7 @@ class Provenance:
 
     def take(self, handed: list) -> None:
         """The private copies of earlier outputs a call reads instead (``(index, original,
-        copy)`` triples, see :func:`~fxsplit.runtime.hand_out.take_over`) are memory fxsplit
+        copy)`` triples, see :func:`~fxsplit.runtime.memory.hand_out.take_over`) are memory fxsplit
         produced while the call runs."""
         for _, _, copy in handed:
             storage = copy.untyped_storage()
