@@ -401,10 +401,27 @@ class _WritesAOverB(nn.Module):
         return h * b
 
 
-def _run_over_one_memory(reads_b: bool) -> fxsplit.Backend:
-    """Six calls of :class:`_WritesAOverB`, compiled and eager, each on ``a`` refilled and ``b``
-    over its memory; the outputs and ``a`` must be eager's, bit for bit."""
-    model, eager = _WritesAOverB(reads_b), _WritesAOverB(reads_b)
+class _WritesAThroughOut(nn.Module):
+    """:class:`_WritesAOverB` with the write in the eager piece, through ``out=``
+    (``torch.add(h, 1.0, out=a)``): its only op, a call of torch's own that writes nothing but
+    the ``out=`` argument."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(D, D), requires_grad=False)
+
+    def forward(self, x, a, b):
+        h = torch.tanh(x @ self.w) + b
+        with fxsplit.region(fxsplit.ATTENTION):
+            torch.add(h, 1.0, out=a)
+        return h * b
+
+
+def _run_over_one_memory(make) -> fxsplit.Backend:
+    """Six calls of the model ``make`` makes, compiled and eager, each on ``a`` refilled and
+    ``b`` over its memory; the outputs and ``a`` must be eager's, bit for bit."""
+    model, eager = make(), make()
     backend = fxsplit.Backend(capture="emulate")
     compiled = torch.compile(model, backend=backend)
     a_c, a_e = torch.zeros(4, D), torch.zeros(4, D)
@@ -431,7 +448,7 @@ def test_a_copy_made_before_an_earlier_piece_ran_uncaptured_is_made_again():
     """The second piece runs uncaptured and writes ``b``'s memory through ``a``, which ``b``'s
     version counter does not see: the third piece copies ``b`` again rather than replay the
     copy the first piece made."""
-    backend = _run_over_one_memory(reads_b=True)
+    backend = _run_over_one_memory(lambda: _WritesAOverB(reads_b=True))
     first, middle, last = sorted(backend.stats["graph_0"])
     assert _piece_counts(backend, middle)["captures"] == 0
     assert _piece_counts(backend, middle)["uncaptured_runs"] == 6
@@ -443,7 +460,17 @@ def test_a_write_back_to_a_callers_tensor_makes_the_copies_of_its_memory_stale()
     """The second piece replays and writes ``a`` back: ``b``'s memory changed where ``b``'s
     version counter does not see it, so the third piece copies ``b`` again rather than replay
     the copy the first piece made."""
-    backend = _run_over_one_memory(reads_b=False)
+    backend = _run_over_one_memory(lambda: _WritesAOverB(reads_b=False))
     assert sorted(backend.stats["graph_0"]) == ["piece_0", "piece_2", "piece_4"]
+    for name in backend.stats["graph_0"]:
+        assert _piece_counts(backend, name)["replays"] >= 3, name
+
+
+def test_a_copy_made_before_an_eager_piece_writing_through_out_is_made_again():
+    """An eager piece whose op hands an ``out=`` argument may write (whatever its functional
+    overloads say), here ``b``'s memory through ``a``: the piece after it copies ``b`` again
+    rather than replay the copy the first piece made."""
+    backend = _run_over_one_memory(_WritesAThroughOut)
+    assert sorted(backend.stats["graph_0"]) == ["piece_0", "piece_2"]
     for name in backend.stats["graph_0"]:
         assert _piece_counts(backend, name)["replays"] >= 3, name
