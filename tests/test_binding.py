@@ -450,6 +450,7 @@ def test_a_copy_made_before_an_earlier_piece_ran_uncaptured_is_made_again():
     copy the first piece made."""
     backend = _run_over_one_memory(lambda: _WritesAOverB(reads_b=True))
     first, middle, last = sorted(backend.stats["graph_0"])
+    assert any("share storage" in why for why in backend.stats["graph_0"][middle]["refused"])
     assert _piece_counts(backend, middle)["captures"] == 0
     assert _piece_counts(backend, middle)["uncaptured_runs"] == 6
     assert _piece_counts(backend, first)["replays"] >= 3
