@@ -368,3 +368,111 @@ def test_strict_binding_sees_the_callers_tensor_given_new_memory_in_place(captur
             x.set_(torch.full((3, D), float(step)))  # same object, new storage
             assert torch.equal(model(x), _TanhSinLinear()(x)), step
     assert step == 2  # warm-up, capture, then the first call that hands other memory
+
+
+# ---------------------------------------------------------------------------------------------
+# When fxsplit's copy of a caller's tensor still holds its values
+#
+# A copy made earlier in a call counts for the pieces after it only while the caller's tensor
+# is unchanged, and its version counter is not the whole story: another tensor over the same
+# memory (``torch.from_numpy(a.numpy())``) has a counter of its own. What may write that memory
+# unseen ends the copy's validity: a piece's uncaptured run, a captured piece's write-back.
+
+
+class _WritesAOverB(nn.Module):
+    """``b`` is another tensor over ``a``'s memory with a version counter of its own. The first
+    captured piece reads ``b``, the second writes ``a`` in place, the third reads ``b`` again;
+    the eager pieces between them are pure (``sin``, ``cos``: nothing there writes). With
+    ``reads_b`` the second piece reads ``b`` too, so its capture is refused (separate static
+    buffers could not keep ``a`` and ``b`` one memory) and it runs uncaptured every call."""
+
+    def __init__(self, reads_b: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(D, D), requires_grad=False)
+        self.reads_b = reads_b
+
+    def forward(self, x, a, b):
+        h = torch.tanh(x @ self.w) + b
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.sin()
+        a.mul_(h + b if self.reads_b else h)
+        with fxsplit.region(fxsplit.ATTENTION):
+            h = h.cos()
+        return h * b
+
+
+class _WritesAThroughOut(nn.Module):
+    """:class:`_WritesAOverB` with the write in the eager piece, through ``out=``
+    (``torch.add(h, 1.0, out=a)``): its only op, a call of torch's own that writes nothing but
+    the ``out=`` argument."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(D, D), requires_grad=False)
+
+    def forward(self, x, a, b):
+        h = torch.tanh(x @ self.w) + b
+        with fxsplit.region(fxsplit.ATTENTION):
+            torch.add(h, 1.0, out=a)
+        return h * b
+
+
+def _run_over_one_memory(make) -> fxsplit.Backend:
+    """Six calls of the model ``make`` makes, compiled and eager, each on ``a`` refilled and
+    ``b`` over its memory; the outputs and ``a`` must be eager's, bit for bit."""
+    model, eager = make(), make()
+    backend = fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(model, backend=backend)
+    a_c, a_e = torch.zeros(4, D), torch.zeros(4, D)
+    b_c, b_e = torch.from_numpy(a_c.numpy()), torch.from_numpy(a_e.numpy())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", fxsplit.FxsplitWarning)  # the refused captures
+        for step in range(6):
+            x = torch.randn(4, D, generator=torch.Generator().manual_seed(step))
+            fill = torch.randn(4, D, generator=torch.Generator().manual_seed(100 + step))
+            a_c.copy_(fill)
+            a_e.copy_(fill)
+            got, want = compiled(x, a_c, b_c), eager(x, a_e, b_e)
+            assert torch.equal(got, want), (step, (got - want).abs().max().item())
+            assert torch.equal(a_c, a_e), step
+    return backend
+
+
+def _piece_counts(backend, name: str) -> dict[str, int]:
+    keys = backend.stats["graph_0"][name].values()
+    return {k: sum(c.get(k, 0) for c in keys) for k in ("captures", "replays", "uncaptured_runs")}
+
+
+def test_a_copy_made_before_an_earlier_piece_ran_uncaptured_is_made_again():
+    """The second piece runs uncaptured and writes ``b``'s memory through ``a``, which ``b``'s
+    version counter does not see: the third piece copies ``b`` again rather than replay the
+    copy the first piece made."""
+    backend = _run_over_one_memory(lambda: _WritesAOverB(reads_b=True))
+    first, middle, last = sorted(backend.stats["graph_0"])
+    assert any("share storage" in why for why in backend.stats["graph_0"][middle]["refused"])
+    assert _piece_counts(backend, middle)["captures"] == 0
+    assert _piece_counts(backend, middle)["uncaptured_runs"] == 6
+    assert _piece_counts(backend, first)["replays"] >= 3
+    assert _piece_counts(backend, last)["replays"] >= 3
+
+
+def test_a_write_back_to_a_callers_tensor_makes_the_copies_of_its_memory_stale():
+    """The second piece replays and writes ``a`` back: ``b``'s memory changed where ``b``'s
+    version counter does not see it, so the third piece copies ``b`` again rather than replay
+    the copy the first piece made."""
+    backend = _run_over_one_memory(lambda: _WritesAOverB(reads_b=False))
+    assert sorted(backend.stats["graph_0"]) == ["piece_0", "piece_2", "piece_4"]
+    for name in backend.stats["graph_0"]:
+        assert _piece_counts(backend, name)["replays"] >= 3, name
+
+
+def test_a_copy_made_before_an_eager_piece_writing_through_out_is_made_again():
+    """An eager piece whose op hands an ``out=`` argument may write (whatever its functional
+    overloads say), here ``b``'s memory through ``a``: the piece after it copies ``b`` again
+    rather than replay the copy the first piece made."""
+    backend = _run_over_one_memory(_WritesAThroughOut)
+    assert sorted(backend.stats["graph_0"]) == ["piece_0", "piece_2"]
+    for name in backend.stats["graph_0"]:
+        assert _piece_counts(backend, name)["replays"] >= 3, name

@@ -1,4 +1,6 @@
-"""Structurally identical pieces (one per layer) share one code object and one analysis."""
+"""Structurally identical pieces (one per layer) share one code object and one analysis, and
+each still captures its own graph: every piece replays, and every call equals eager bit for
+bit."""
 
 from __future__ import annotations
 
@@ -6,15 +8,22 @@ import torch
 
 import fxsplit
 from fxsplit.facts import aliasing
+from tests.replays import assert_replayed
 from tests.stack import Stack
 
 
 def _compile(layers: int, **options):
-    backend = fxsplit.Backend(**options)
+    """``Stack(layers)`` compiled under the emulator: four calls, each equal to eager, and every
+    captured piece replayed twice (a piece sharing another's code binds its own layer's
+    weights)."""
+    backend = fxsplit.Backend(capture="emulate", **options)
     model = Stack(layers)
-    x = torch.randn(3, 8)
+    compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(model, backend=backend)(x), model(x))
+        for step in range(4):
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+            assert torch.equal(compiled(x), model(x)), step
+    assert_replayed(backend, at_least=2)
     return backend
 
 
@@ -36,7 +45,7 @@ def test_aliasing_analysis_runs_once_per_distinct_piece(monkeypatch):
     calls = []
     analyse = aliasing.analyse
     monkeypatch.setattr(aliasing, "analyse", lambda *a, **k: calls.append(1) or analyse(*a, **k))
-    backend = _compile(6, capture="emulate")
+    backend = _compile(6)
     distinct = {p.same_as or p.name for p in backend.plans[0].captured}
     assert len(calls) == len(distinct) < len(backend.plans[0].captured)
 
@@ -51,8 +60,13 @@ def test_pieces_that_differ_in_a_constant_do_not_share():
             b = b.softmax(-1)
         return b
 
-    backend = fxsplit.Backend()
-    torch.compile(f, backend=backend)(torch.randn(2, 4))
+    backend = fxsplit.Backend(capture="emulate")
+    compiled = torch.compile(f, backend=backend)
+    with torch.no_grad():
+        for step in range(4):
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+            assert torch.equal(compiled(x), f(x)), step
+    assert_replayed(backend, at_least=2)
     plan = backend.plans[0]
     assert [p.kind for p in plan.pieces] == ["captured", "eager", "captured", "eager"]
     assert plan.sharing() == {"piece_1": ["piece_1", "piece_3"]}  # the softmaxes only

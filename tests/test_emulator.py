@@ -342,9 +342,26 @@ def test_host_handle_read_inside_a_custom_op_is_frozen_and_checked_at_replay():
     y = g.capture(lambda t: _scaled_by_handle(t, handle) + 1, x)
     x.copy_(torch.randn(5))
     g.replay()
-    torch.testing.assert_close(y, x * 3 + 1)
+    torch.testing.assert_close(y, x * 3 + 1, rtol=0, atol=0)
     handle.fill_(4)
     with pytest.raises(HostValueChangedError, match=r"read as 3 at capture .* now holds 4"):
+        g.replay()
+
+
+def test_a_host_handle_given_new_memory_is_loud_at_replay_even_holding_the_same_value():
+    """The handle is checked by its address as well as its value: a handle at another address
+    is another object to the kernel (vLLM's oneDNN handler is a pointer), where a CUDA graph
+    replays what it read at the capture's."""
+    x = torch.randn(5)
+    handle = torch.tensor(3)
+    g = EmulatedGraph()
+    y = g.capture(lambda t: _scaled_by_handle(t, handle) + 1, x)
+    g.replay()
+    torch.testing.assert_close(y, x * 3 + 1, rtol=0, atol=0)
+    old = handle.untyped_storage()  # held, so the new memory cannot reuse its address
+    handle.set_(torch.tensor(3))
+    assert handle.data_ptr() != old.data_ptr()
+    with pytest.raises(HostValueChangedError, match=r"read as 3 at capture .* holds 3 at another"):
         g.replay()
 
 

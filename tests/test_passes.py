@@ -362,6 +362,15 @@ def test_writes_come_from_the_schemas_out_forms_aside(target, op, writes):
     assert op_facts.may_write(make_node(target, op)) is writes
 
 
+def test_a_call_handing_an_out_argument_is_never_pure():
+    """``torch.add(x, y, out=buf)`` names no overload, and add's functional overloads write
+    nothing: the ``out=`` argument alone says the call writes ``buf``."""
+    graph = Graph()
+    x, y, buf = graph.placeholder("x"), graph.placeholder("y"), graph.placeholder("buf")
+    assert op_facts.is_pure(graph.call_function(torch.add, (x, y)))
+    assert not op_facts.is_pure(graph.call_function(torch.add, (x, y), {"out": buf}))
+
+
 def test_allocations_are_the_empty_family_and_fills_are_kernels():
     for op in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"):
         assert op_facts.is_allocation(make_node(getattr(torch.ops.aten, op))), op

@@ -40,6 +40,13 @@ for the model's rebound state overwritten by another graph's replay (the case mu
 with ``clone_outputs``), and ``BindingError`` for a runner input bound by address that the caller
 gave new memory (``set_``).
 
+A second property draws the same programs with ``y`` the memory of ``x`` under another tensor
+with a version counter of its own (``torch.from_numpy(x.numpy())``), ending with a piece reading
+``y``, a piece writing ``x`` (captured and replayed, so its write-back changes ``y``'s memory; or
+refused, running uncaptured every call), and a piece reading ``y`` again; half of them refuse
+every other piece's first captures up to three times, so those pieces run uncaptured while the
+pieces between them replay (:func:`twin_cases`).
+
 Profiles (``tests/conftest.py``, selected by ``HYPOTHESIS_PROFILE``): ``ci`` (default, 200
 examples, derandomized) and ``long`` (10,000 random examples):
 ``HYPOTHESIS_PROFILE=long python3 -m pytest tests/test_property.py --hypothesis-show-statistics``.
@@ -598,6 +605,10 @@ class Case:
     sizes: tuple[int, int] = (3, 5)
     ints: tuple[int, int] = (2, 3)  # the int argument ``n`` alternates between these
     feedback: bool = False  # y of a step is output 0 of the step before (same batch size)
+    # y is x's memory under another tensor, with a version counter of its own
+    # (``torch.from_numpy(x.numpy())``, as an engine may hand one buffer twice): a write to
+    # either is one the other's counter does not see (drawn by :func:`twin_cases` alone)
+    twin: bool = False
     binding: str | None = None  # input_binding; None: the runner's default
     warmup_runs: int = 1
     verify: bool = False
@@ -605,6 +616,9 @@ class Case:
     keep: bool = False  # the caller keeps every step's outputs and stored values, read at the end
     late: tuple[int, ...] = ()  # extra warm-ups of piece i (cycled): pieces capture at later steps
     refuse_once: bool = False  # the first capture of every other piece is refused
+    # with refuse_once, that many more captures of those pieces are refused: calls on which
+    # they run uncaptured while the pieces between them replay
+    refused_again: int = 0
     reloads: tuple[tuple[int, str], ...] = ()  # (step, one of RELOADS): the caller changes it
     # compiled pieces load at their second call, the first runs their generated Python (what a
     # precompiled graph does: fxsplit.passes.inductor.Deferred)
@@ -743,6 +757,48 @@ def cases(draw):
     )
 
 
+@st.composite
+def twin_hazards(draw):
+    """Instructions reading one memory through two inputs (:attr:`Case.twin`): a piece reads
+    ``y``, a piece writes ``x`` (reading ``y`` too, so its capture is refused and it runs
+    uncaptured every call; or not, so its replay writes ``x`` back), a piece reads ``y`` again;
+    between them the attention region, which every runner runs eagerly, of pure ops (no eager
+    piece that may write: the copy of ``y`` the first piece made must end at the second
+    piece's run or write-back alone). The last register is the third piece's result."""
+    unary = st.sampled_from(UNARY)
+    reads_y = draw(st.booleans())
+    return (
+        ("unary", draw(unary), 1),
+        ("region", fxsplit.ATTENTION, (("unary", draw(unary), -1),)),
+        *((("binary", draw(st.sampled_from(BINARY)), 1, -1),) if reads_y else ()),
+        ("inplace_input", draw(st.sampled_from(INPLACE)), 0, -1),
+        ("region", fxsplit.ATTENTION, (("unary", draw(unary), -1),)),
+        ("binary", draw(st.sampled_from(BINARY)), 1, -1),
+    )
+
+
+@st.composite
+def twin_cases(draw):
+    """A case of :func:`cases` whose ``y`` is ``x``'s memory under another tensor, ending with
+    :func:`twin_hazards` (whose last register is an output); half of them refuse the first
+    captures of every other piece up to three times, so those run uncaptured while the pieces
+    between them replay. The inputs are the caller's fresh tensors (no runner's persistent
+    buffers, nothing fed back): under strict binding nothing would be copied."""
+    case = draw(cases())
+    refuse = draw(st.booleans())
+    return dataclasses.replace(
+        case,
+        program=(*case.program, *draw(twin_hazards())),
+        outputs=(-1, *case.outputs[:2]),
+        twin=True,
+        staging=False,
+        feedback=False,
+        binding="copy" if _strict(case) else case.binding,
+        refuse_once=refuse,
+        refused_again=draw(st.integers(0, 2)) if refuse else 0,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Features (hypothesis events and the frequency check)
 
@@ -851,6 +907,10 @@ def features(case: Case) -> set[str]:
         found.add("host_outputs")
     if case.feedback:
         found.add("output_fed_back")
+    if case.twin:
+        found.add("one_memory_under_two_inputs")
+    if case.refused_again:
+        found.add("uncaptured_while_others_replay")
     found.update(f"option:{k}" for k in case.options)
     if case.keep:
         found.add("kept_outputs")
@@ -901,7 +961,7 @@ def _schedule(case: Case) -> list[int]:
     # and for late ones, a refused first capture, the capture); twice that where the int
     # argument alternates between two keys per size.
     compiled = case.options.get("compile_pieces") == "inductor"
-    runs = case.warmup_runs + compiled + max(case.late, default=0) + case.refuse_once + 2
+    runs = case.warmup_runs + compiled + max(case.late, default=0) + _refusals(case) + 2
     runs += compiled and case.loaded  # the first call's Python is no warm-up of the artifact
     reads_int = any(ins[0] == "intarg" for ins, _, _ in _flatten(case.program))
     if reads_int and case.ints[0] != case.ints[1]:
@@ -932,6 +992,11 @@ def _schedule(case: Case) -> list[int]:
             size = captured[0]
         schedule += [size] * (runs + 3)
     return schedule
+
+
+def _refusals(case: Case) -> int:
+    """How many capture attempts of every other piece the case refuses."""
+    return case.refuse_once * (1 + case.refused_again)
 
 
 def _persistent(case: Case) -> bool:
@@ -1012,13 +1077,13 @@ def _no_gc():
 
 class _Schedule(fxsplit.Backend):
     """A backend whose pieces capture at later steps than they would: ``late[i]`` more warm-ups
-    for captured piece ``i`` (cycled), and, with ``refuse_once``, the first capture of every
-    other piece refused (as a call whose inputs' layout a capture cannot keep is)."""
+    for captured piece ``i`` (cycled), and the first ``refusals`` captures of every other piece
+    refused (as a call whose inputs' layout a capture cannot keep is)."""
 
-    def __init__(self, late: tuple[int, ...], refuse_once: bool, **options):
+    def __init__(self, late: tuple[int, ...], refusals: int, **options):
         super().__init__(**options)
         self._late = late
-        self._refuse_once = refuse_once
+        self._refusals = refusals
 
     def __call__(self, gm, example_inputs, **kwargs):
         before = len(self.runtimes)
@@ -1027,18 +1092,21 @@ class _Schedule(fxsplit.Backend):
             for i, piece in enumerate(runtime.pieces):
                 if self._late:
                     piece.min_warmups += self._late[i % len(self._late)]
-                if self._refuse_once and i % 2 == 0:
-                    _REFUSE_ONCE.add(piece)
+                if self._refusals and i % 2 == 0:
+                    _REFUSALS_LEFT[piece] = self._refusals
         return compiled
 
 
-_REFUSE_ONCE: weakref.WeakSet = weakref.WeakSet()  # pieces whose first capture is refused
+# pieces whose next captures are refused -> how many
+_REFUSALS_LEFT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _capture = captured_module.capture
 
 
 def _capture_refusing_once(piece, key, inputs):
-    if piece in _REFUSE_ONCE:
-        _REFUSE_ONCE.discard(piece)
+    left = _REFUSALS_LEFT.pop(piece, 0)
+    if left:
+        if left > 1:
+            _REFUSALS_LEFT[piece] = left - 1
         raise _Refused("refused once (property test)")
     return _capture(piece, key, inputs)
 
@@ -1195,8 +1263,8 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
         "input_binding": case.binding,
         **case.options,
     }
-    refuse_once = case.refuse_once and options.get("on_capture_error") != "raise"
-    backend = _Schedule(case.late, refuse_once, **options)
+    refusals = _refusals(case) if options.get("on_capture_error") != "raise" else 0
+    backend = _Schedule(case.late, refusals, **options)
     made.append(backend)
     exact = options.get("compile_pieces", "auto") != "inductor"
     fullgraph = not any(ins[0] == "graph_break" for ins in case.program)
@@ -1244,6 +1312,9 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
                 xc, yc = x.clone(), (got[0] if fed else y.clone())
             if fed and not persistent:  # the previous step's output (the compiled side's may be
                 ye = expected[0]  # a replay buffer)
+            if case.twin:
+                assert not (persistent or case.feedback), case
+                ye, yc = torch.from_numpy(xe.numpy()), torch.from_numpy(xc.numpy())
             held = [
                 (t, snap)
                 for t, snap in held
@@ -1333,7 +1404,7 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
         # a graph Dynamo stopped calling (it gave up on the frame and runs it eagerly, as after
         # an in-place view of an input inside a region) had no calls left to replay
         compiled = case.options.get("compile_pieces") == "inductor"
-        needed = case.warmup_runs + compiled + max(case.late, default=0) + case.refuse_once + 2
+        needed = case.warmup_runs + compiled + max(case.late, default=0) + _refusals(case) + 2
         called = any(
             runtime.context.calls >= needed for runtime in backend.runtimes if runtime.pieces
         )
@@ -1360,6 +1431,21 @@ def test_compiled_equals_eager(case):
         raise
 
 
+@given(case=twin_cases())
+def test_compiled_equals_eager_over_one_memory_under_two_inputs(case):
+    """The property where ``y`` is ``x``'s memory under another tensor with a version counter of
+    its own: a copy of ``y`` a captured piece made holds only until the memory may have changed
+    unseen by that counter (a piece's uncaptured run, a captured piece's write-back of ``x``)."""
+    for name in sorted(features(case)):
+        event(name)
+    try:
+        run_case(case)
+    except Exception:
+        if _dynamo_refuses(case) or _dynamo_wrong(case):
+            reject()
+        raise
+
+
 def _grad_mode(case: Case):
     """The context the case's calls run in."""
     if case.outer_grad:
@@ -1380,7 +1466,7 @@ def _dynamo_refuses(case: Case) -> bool:
             warnings.simplefilter("ignore")
             for step, b in enumerate(_schedule(case)):
                 x, y = torch.randn(b, D, generator=gen), torch.randn(b, D, generator=gen)
-                compiled(x, y, case.ints[step % 2])
+                compiled(x, torch.from_numpy(x.numpy()) if case.twin else y, case.ints[step % 2])
     except Exception:
         return True
     finally:

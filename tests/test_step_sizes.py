@@ -463,6 +463,29 @@ def test_work_feeding_step_size_nodes_never_moves_past_a_global_setter(capture):
     assert torch.get_default_dtype() == torch.float32
 
 
+class AutocastBlock(nn.Module):
+    """Weights over the grown cache computed before an autocast block and used inside it:
+    ``mm`` autocasts, so the same work inside the block gives bfloat16's rounding, not the full
+    precision eager computed it in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
+        a = torch.arange(cache.keys.shape[1], dtype=torch.float32)[:, None] * 0.37 + 0.11
+        weights = torch.mm(a, a.t()).sum(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = (cache.keys * weights[None, :, None]).sum(1)
+        return self.lin(mixed)
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_work_feeding_step_size_nodes_never_moves_into_an_autocast_block(capture):
+    _equals_eager_step_by_step(AutocastBlock().eval(), capture)
+
+
 # User ops whose Python bodies have effects no schema declares: one draws from the default
 # generator, one bumps a host counter that the other reads.
 _COUNTER = [0]

@@ -10,6 +10,11 @@ that draws from the generator or bumps a host counter) between work and its use;
 made by a user's op with such an effect. Every value feeds the output, so all of it depends on
 the cache's length and may move next to its first user. Under both ``"off"`` and ``"emulate"``
 the compiled model returns exactly what eager returns on every step.
+
+A second property opens a grad-mode or autocast block (``no_grad``, ``enable_grad``,
+``autocast`` to bfloat16) between work and its first user, the block running to the program's
+end: work made before the block computes as it did before it (``mm``, which autocast runs in
+bfloat16, among it), and what the model returns has eager's values, dtype and ``requires_grad``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,14 @@ ALIAS = ("view_as", "to", "type_as", "reshape", "slice_all", "unsqueeze")
 PURE = ("double", "plus_one", "cumsum", "tanh", "sum_of_two", "promoted", "batch_norm")
 WRITE = ("add_", "mul_", "setitem", "copy_", "clamp_", "relu_", "out", "tail_add_", "index_fill_")
 EFFECT = ("rand_like", "dropout", "bernoulli", "noisy_like", "count")
+# the pure work of the switch property: autocast runs mm in bfloat16
+SWITCHED_PURE = (*PURE, "mm")
+# a block opened between work and its first user, running to the program's end
+SWITCHES = {
+    "no_grad": torch.no_grad,
+    "enable_grad": torch.enable_grad,
+    "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+}
 
 # A user's ops whose Python bodies have effects no schema declares.
 _COUNTER = [0]
@@ -121,6 +134,8 @@ def _pure(kind, a, b, keys):
         "tanh": lambda: a.tanh(),
         "sum_of_two": lambda: a + b,
         "promoted": lambda: a.to(torch.int64) * 0.1,  # in the default dtype
+        # scaled off integers, which bfloat16 holds exactly
+        "mm": lambda: torch.mm(a.float()[:, None] * 0.37, b.float()[None, :] + 0.11).sum(1),
     }[kind]()
 
 
@@ -156,19 +171,32 @@ def _effect(kind, like):
 
 
 class Program(nn.Module):
-    """Runs ``program`` (a list of instructions) over the cache's length after growing it."""
+    """Runs ``program`` (a list of instructions) over the cache's length after growing it; with
+    ``switch`` (one of ``SWITCHES``), the instructions from index ``at`` on inside that block."""
 
-    def __init__(self, program):
+    def __init__(self, program, switch: str | None = None, at: int = 0):
         super().__init__()
         self.lin = nn.Linear(8, 8)
         self.program = program
+        self.switch, self.at = switch, at
 
     def forward(self, x, cache):
         cache.keys = torch.cat([cache.keys, self.lin(x)], dim=1)
         n = cache.keys.shape[1]
         like = cache.keys[0, :, 0]
         values = []
-        for group, kind, i, j in self.program:
+        if self.switch is None:
+            self._run(self.program, values, n, like, x, cache)
+        else:
+            self._run(self.program[: self.at], values, n, like, x, cache)
+            with SWITCHES[self.switch]():
+                self._run(self.program[self.at :], values, n, like, x, cache)
+        total = sum(values)
+        return self.lin((cache.keys * total[None, :, None]).sum(1))
+
+    @staticmethod
+    def _run(program, values, n, like, x, cache):
+        for group, kind, i, j in program:
             a, b = (values[i % len(values)], values[j % len(values)]) if values else (None, None)
             if group == "make" or not values:
                 values.append(_make(kind if group == "make" else "arange", n))
@@ -180,8 +208,6 @@ class Program(nn.Module):
                 values.append(_effect(kind, like))
             elif a is not b or kind not in ("copy_", "out"):  # never a copy into itself
                 _write(kind, a, b, x)
-        total = sum(values)
-        return self.lin((cache.keys * total[None, :, None]).sum(1))
 
 
 class Cache:
@@ -228,8 +254,57 @@ PROGRAMS = st.builds(
 )
 
 
+# The hazard of a switch: a value and work reading it (``mm`` among it), then a block opening
+# before the work's first user; more instructions inside the block.
+SWITCH_HAZARD = st.tuples(
+    _instruction("make", MAKE),
+    st.tuples(
+        st.just("pure"),
+        st.one_of(st.just("mm"), st.sampled_from(PURE[:-1])),  # mm as often as the rest
+        st.just(0),
+        st.just(0),
+    ),
+    st.tuples(st.just("pure"), st.sampled_from(SWITCHED_PURE[:-2]), st.just(1), st.just(1)),
+)
+SWITCH_PROGRAMS = st.builds(
+    lambda hazard, more: [*hazard, *more],
+    SWITCH_HAZARD,
+    st.lists(
+        st.one_of(
+            _instruction("make", MAKE),
+            _instruction("alias", ALIAS),
+            _instruction("pure", SWITCHED_PURE),
+            _instruction("write", WRITE),
+            _instruction("effect", EFFECT),
+        ),
+        max_size=5,
+    ),
+)
+
+
 def _same(a, b):
     return a.dtype == b.dtype and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _equals_eager(model: nn.Module, capture: str) -> None:
+    """Six decode steps of ``model`` over a fresh :class:`Cache`, eagerly and compiled, from
+    the same seed: every step the same values and dtype; under ``"emulate"`` something
+    replayed."""
+
+    def run(fn):
+        torch.manual_seed(0)
+        _COUNTER[0] = 0
+        cache = Cache()
+        with torch.no_grad():
+            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
+
+    want = run(model)
+    torch._dynamo.reset()
+    counters.reset()
+    got = run(torch.compile(model, backend=fxsplit.Backend(capture=capture)))
+    assert all(_same(a, b) for a, b in zip(got, want, strict=True))
+    if capture == "emulate":
+        assert counters.snapshot()["replays"] > 0
 
 
 @settings(max_examples=max(settings.default.max_examples // 5, 1))
@@ -249,19 +324,22 @@ def _same(a, b):
 # a user's op that draws, moved past a random op, drew that op's numbers
 @example([("make", "noisy", 0, 0), ("effect", "rand_like", 0, 0), ("pure", "double", 0, 0)], "off")
 def test_moved_work_never_changes_a_number(program, capture):
-    model = Program(program).eval()
+    _equals_eager(Program(program).eval(), capture)
 
-    def run(fn):
-        torch.manual_seed(0)
-        _COUNTER[0] = 0
-        cache = Cache()
-        with torch.no_grad():
-            return [fn(torch.randn(1, 1, 8), cache).clone() for _ in range(6)]
 
-    want = run(model)
-    torch._dynamo.reset()
-    counters.reset()
-    got = run(torch.compile(model, backend=fxsplit.Backend(capture=capture)))
-    assert all(_same(a, b) for a, b in zip(got, want, strict=True))
-    if capture == "emulate":
-        assert counters.snapshot()["replays"] > 0
+@settings(max_examples=max(settings.default.max_examples // 5, 1))
+@given(
+    program=SWITCH_PROGRAMS,
+    switch=st.sampled_from(sorted(SWITCHES)),
+    capture=st.sampled_from(["off", "emulate"]),
+)
+# work moved into the block: mm computed in bfloat16 (tests/test_step_sizes.py, AutocastBlock)
+@example(
+    [("make", "arange", 0, 0), ("pure", "mm", 0, 0), ("pure", "double", 1, 1)], "autocast", "off"
+)
+def test_moved_work_never_crosses_a_grad_or_autocast_switch(program, switch, capture):
+    """Work made before the block and first used inside it stays before it: inside an autocast
+    block ``mm`` rounds to bfloat16. (A grad-mode switch changes no number of the work that
+    moves, built from host values and constants alone; its draws hold the pass to the same
+    rule.)"""
+    _equals_eager(Program(program, switch, at=2).eval(), capture)
