@@ -419,11 +419,13 @@ class _WritesAThroughOut(nn.Module):
         return h * b
 
 
-def _run_over_one_memory(make) -> fxsplit.Backend:
+def _run_over_one_memory(make, runner: str = "v2") -> fxsplit.Backend:
     """Six calls of the model ``make`` makes, compiled and eager, each on ``a`` refilled and
-    ``b`` over its memory; the outputs and ``a`` must be eager's, bit for bit."""
+    ``b`` over its memory; the outputs and ``a`` must be eager's, bit for bit. Under runner
+    v2 (copy binding) a piece writing ``a`` is captured; under v1 it runs with the eager piece
+    beside it (``a`` is a runner tensor the step writes: fxsplit.passes.cache_ops)."""
     model, eager = make(), make()
-    backend = fxsplit.Backend(capture="emulate")
+    backend = fxsplit.Backend(capture="emulate", runner=runner, input_binding="copy")
     compiled = torch.compile(model, backend=backend)
     a_c, a_e = torch.zeros(4, D), torch.zeros(4, D)
     b_c, b_e = torch.from_numpy(a_c.numpy()), torch.from_numpy(a_e.numpy())
@@ -476,3 +478,16 @@ def test_a_copy_made_before_an_eager_piece_writing_through_out_is_made_again():
     assert sorted(backend.stats["graph_0"]) == ["piece_0", "piece_2"]
     for name in backend.stats["graph_0"]:
         assert _piece_counts(backend, name)["replays"] >= 3, name
+
+
+def test_a_copy_made_before_an_eager_piece_writing_a_callers_tensor_in_place_is_made_again():
+    """Under v1 ``a.mul_`` runs in the eager piece (a runner tensor the step writes), whose
+    torch op bumps ``a``'s version counter but not ``b``'s: the piece after it copies ``b``
+    again (the memory the eager piece wrote) rather than replay the first piece's copy."""
+    backend = _run_over_one_memory(lambda: _WritesAOverB(reads_b=False), runner="v1")
+    plan = backend.plans[0]
+    assert [p.kind for p in plan.pieces] == ["captured", "eager", "captured"]
+    assert "cache:a" in plan.pieces[1].reasons
+    for name in backend.stats["graph_0"]:
+        assert _piece_counts(backend, name)["replays"] >= 3, name
+

@@ -29,7 +29,7 @@ from torch.fx import Node
 
 from fxsplit.facts import op_facts
 
-__all__ = ["kept_inputs", "made_outputs", "storages", "tracked"]
+__all__ = ["kept_inputs", "made_outputs", "storages", "tracked", "written_storages"]
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -123,6 +123,23 @@ def made_outputs(graph) -> tuple[int, ...]:
         elif found and found.isdisjoint(inputs):
             slots.append(slot)
     return tuple(slots)
+
+
+def written_storages(nodes: Sequence[Node]) -> frozenset | None:
+    """The storages (of Dynamo's example values) that ``nodes`` write with torch's own ops,
+    whose writes bump the version counter of what they write; None where one of them may write
+    unseen by any version counter (:func:`fxsplit.facts.op_facts.writes_unseen`: a custom op,
+    an in-place layout change) or writes something without a known storage."""
+    if op_facts.writes_unseen(nodes):
+        return None
+    found: set = set()
+    for node in nodes:
+        for written in op_facts.written_arguments(node):
+            memory = storages(written)
+            if memory is None:
+                return None
+            found |= memory
+    return frozenset(found)
 
 
 def storages(node: Node) -> frozenset | None:

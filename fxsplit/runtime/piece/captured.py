@@ -102,6 +102,9 @@ class CapturedPiece(torch.nn.Module):
         # an eager piece that may write runs just before it, maybe where a caller's tensor's
         # version counter does not see it: what fxsplit copied of those tensors is stale
         self.after_eager = after_eager
+        # graph arguments the eager pieces just before it write with torch's ops: what fxsplit
+        # copied of their memory is stale (another tensor over it has a counter of its own)
+        self.written_before: tuple[int, ...] = ()
         # its outputs that eager pieces read, lent to them (fxsplit.runtime.memory.lending)
         self.lent: tuple[int, ...] = ()
         self.entries: dict[tuple, Entry] = {}
@@ -117,6 +120,10 @@ class CapturedPiece(torch.nn.Module):
         context = self.context
         if self.after_eager:
             context.epoch += 1
+        elif self.written_before:
+            forget, args = context.buffers.forget_over, context.args
+            for i in self.written_before:
+                forget(args[i])
         if not context.capture_step:
             return self._uncaptured(inputs, None)
         if self.failed is not None:

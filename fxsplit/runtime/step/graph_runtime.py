@@ -192,8 +192,14 @@ class GraphRuntime:
         volatile = frozenset(self.statics.volatile)
         # marked caches handed in as arguments, and views of them a captured piece hands on
         statics = set(self._static_arguments)
-        # an eager piece that may write runs between the last captured piece and this one
-        after_eager = False
+        # what the eager pieces between the last captured piece and this one write: None where
+        # unseen by version counters (a new copy epoch), else the graph arguments whose memory
+        # they write with torch's own ops (an aliasing tensor's counter would not see it)
+        written: set[int] | None = set()
+        arguments: dict[int, list[int]] = {}  # storage -> the graph arguments over it
+        for i, placeholder in enumerate(self._placeholders):
+            for memory in keeping.storages(placeholder) or ():
+                arguments.setdefault(memory, []).append(i)
         for each in split.pieces:
             part, module, facts = each.part, each.module, each.aliasing
             if part.kind == "captured":
@@ -221,9 +227,10 @@ class GraphRuntime:
                     each.plan,
                     self.context,
                     op_facts.generators(part.nodes, "cuda" if self.mode == "cuda" else "cpu"),
-                    after_eager,
+                    written is None,
                 )
-                after_eager = False
+                captured.written_before = tuple(sorted(written or ()))
+                written = set()
                 if self.pool is not None:
                     # its uncaptured runs (warm-ups, refusals) are eager code that an op of it
                     # (a custom op) may keep what it reads in: lent, as to an eager piece
@@ -244,7 +251,11 @@ class GraphRuntime:
                 object.__setattr__(self._stitched, captured.name, captured)
                 pieces.append(captured)
             else:
-                after_eager |= op_facts.writes_unseen(part.nodes)
+                memory = keeping.written_storages(part.nodes)
+                if memory is None or written is None:
+                    written = None
+                else:
+                    written.update(i for m in memory for i in arguments.get(m, ()))
                 if self.pool is not None:
                     outputs = [nodes[name] for name in module.output_names]
                     inputs = [nodes[name] for name in module.input_names]
@@ -302,6 +313,7 @@ class GraphRuntime:
             if statics.volatile:
                 self._check_settled(args)
         session.enter()
+        context.args = args
         out = ()
         try:
             out = self._forward(*args)
@@ -315,6 +327,7 @@ class GraphRuntime:
                 ) from error
             raise
         finally:
+            context.args = ()  # holds no caller's tensor past the call
             session.exit()
             if handed:  # also when the model raised: the caller's tensors leave the pool
                 out = hand_back(out, handed, self.graph_id)
