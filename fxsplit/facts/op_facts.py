@@ -527,8 +527,15 @@ def _host_arithmetic(node: Node) -> bool:
 def writes_out(node: Node) -> bool:
     """Whether the call hands an ``out=`` argument (``torch.add(a, b, out=buf)``,
     ``torch.cat(xs, out=buf)``): it writes ``buf`` whatever its op's functional overloads say
-    (a node with a torch function or Tensor method as its target names no overload)."""
-    return node.kwargs.get("out") is not None
+    (a node with a torch function or Tensor method as its target names no overload); or calls
+    an out= overload by name, whose outputs may have other names
+    (``torch.ops.aten.sort.values(x, values=a, indices=i)``)."""
+    if node.kwargs.get("out") is not None:
+        return True
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and any(
+        a.is_out for a in target._schema.arguments
+    )
 
 
 def changes_layout(node: Node) -> bool:
@@ -581,7 +588,7 @@ def written_arguments(node: Node) -> tuple[Node, ...]:
         return ()  # an attribute read (``w.T``, ``w.mT``: Dynamo may keep it as ``getattr``)
     found: dict[Node, None] = {}
     if writes_out(node):
-        found.update(dict.fromkeys(_flat_nodes(node.kwargs["out"])))
+        found.update(dict.fromkeys(_flat_nodes(node.kwargs.get("out"))))
     names = op_names(node)
     if names is None and getattr(node.target, "__module__", None) == "_operator":
         return tuple(found)  # a Python operator on host values or tuples (``pair[0]``)
@@ -602,8 +609,9 @@ _WRITTEN: dict[tuple[str, str | None], tuple[tuple[int, str], ...] | None] = {}
 
 def _written_positions(names: tuple[str, str | None]) -> tuple[tuple[int, str], ...] | None:
     """``(position, name)`` of the arguments annotated ``Tensor(a!)`` in the overloads a node
-    named ``names`` may call, ``out=`` forms left out; None where the op has no overload
-    (unknown). Cached per op name."""
+    named ``names`` may call, ``out=`` forms left out unless named (an explicit
+    ``aten.topk.values`` call writes its ``values=`` and ``indices=``); None where the op has no
+    overload (unknown). Cached per op name."""
     try:
         return _WRITTEN[names]
     except KeyError:
@@ -612,7 +620,9 @@ def _written_positions(names: tuple[str, str | None]) -> tuple[tuple[int, str], 
     found: dict[tuple[int, str], None] | None = {} if overloads else None
     for op in overloads:
         arguments = op._schema.arguments
-        if any(a.is_out for a in arguments):
+        # an out= form writes only where the call names it (``aten.sort.values(x, values=a)``):
+        # a torch function or a packet calling the functional form writes nothing of these
+        if names[1] is None and any(a.is_out for a in arguments):
             continue
         for i, argument in enumerate(arguments):
             alias = argument.alias_info

@@ -236,8 +236,12 @@ class CapturedPiece(torch.nn.Module):
                 _increment_version((static,))
         if entry.bumped:
             # A CUDA graph's writes bypass the version counter; keep it truthful (inference
-            # tensors, which have none, are skipped).
+            # tensors, which have none, are skipped). Another tensor over the same memory has a
+            # counter of its own: what fxsplit copied of that memory is stale too.
             _increment_version(entry.bumped)
+            forget = self.context.buffers.forget_over
+            for written in entry.bumped:
+                forget(written)
         if not entry.views:
             return entry.outputs
         single = not isinstance(entry.outputs, tuple)
