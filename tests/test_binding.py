@@ -492,7 +492,6 @@ def test_a_copy_made_before_an_eager_piece_writing_a_callers_tensor_in_place_is_
         assert _piece_counts(backend, name)["replays"] >= 3, name
 
 
-
 class _WritesAThroughANamedOutOverload(_WritesAThroughOut):
     """:class:`_WritesAThroughOut` writing ``a`` through an out= overload called by name, whose
     output arguments are not called ``out`` (``aten.sort.values(h, values=a, indices=i)``)."""

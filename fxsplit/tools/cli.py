@@ -131,7 +131,10 @@ def _diff(args) -> int:
 
     runners = args.runner or ["v1", "v2"]
     if len(runners) != 2:
-        raise UsageError(f"diff takes --runner exactly twice (A and B), got {len(runners)}")
+        raise UsageError(
+            f"diff takes --runner exactly twice (A and B), or not at all (v1 against v2); got "
+            f"{len(runners)}: {', '.join(runners)}"
+        )
     factory = factories.load(args.factory)
     compiled = [
         _compile(args.factory, factory, _options(args.options, runner))[1] for runner in runners

@@ -292,7 +292,10 @@ def _tolerance_line(compile_pieces: str, device: str) -> str:
     """What the tables' ``max diff`` may be for their rows to be ok (see :func:`_close`)."""
     what = "max diff: the largest difference from eager"
     if device == "cpu" and not _compiles(compile_pieces, device):
-        return f"{what}, which must be 0 (the split and the replays change no number)"
+        return (
+            f"{what}, which must be 0 (the split and the replays change no number; the decode "
+            "table's notes name a model transformers computes another way under torch.compile)"
+        )
     why = (
         "Inductor fuses and reorders float32 sums"
         if _compiles(compile_pieces, device)
