@@ -104,7 +104,11 @@ PY
         exit 1
     fi
 fi
-PYTHONPATH="$PWD:$extras" "$py" -m pytest -q -p no:cacheprovider tests/test_runtime.py \
+# fxsplit's own metadata (its torch_dynamo_backends entry point: backend="fxsplit" as a user who
+# installed it names it) from a build of this tree; the source on PYTHONPATH is what runs.
+"$venv/bin/pip" install -q --no-deps --target "$scratch/dist" . >"$scratch/dist.log" 2>&1 ||
+    { cat "$scratch/dist.log" >&2; exit 1; }
+PYTHONPATH="$PWD:$extras:$scratch/dist" "$py" -m pytest -q -p no:cacheprovider tests/test_runtime.py \
     tests/test_emulator.py tests/test_output_lifetime.py tests/test_exports.py \
     tests/test_model_state.py tests/test_hf_generate.py tests/test_runtime_devices.py \
     tests/test_graphs.py tests/test_pool.py tests/test_field_cases.py tests/test_ownership.py \
