@@ -176,9 +176,14 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             "fxsplit demo: error: unrecognized arguments: --devcie cpu; did you mean --device?",
         ),
         (["demo", "--zzz"], "fxsplit demo: error: unrecognized arguments: --zzz"),
+        (
+            ["dmeo", "--device", "cpu"],
+            "fxsplit: error: argument command: invalid choice: 'dmeo' (choose from 'demo', "
+            "'dump', 'diff', 'cache'); did you mean 'demo'?",
+        ),
     ],
 )
-def test_a_misspelt_flag_is_answered_with_the_flag_meant(argv, said):
+def test_a_misspelt_flag_or_command_is_answered_with_the_one_meant(argv, said):
     done = _cli(*argv)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1] == said

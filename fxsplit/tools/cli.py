@@ -15,6 +15,7 @@ from fxsplit.tools.cli_checks import (
     check_options,
     check_runner,
     unknown_arguments,
+    unknown_command,
 )
 
 
@@ -298,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         "delete them",
     )
     cache_parser.add_argument("--cache-dir", default=None, help="the cache folder")
+    words = sys.argv[1:] if argv is None else argv
+    named = next((word for word in words if not word.startswith("-")), None)
+    if named is not None and named not in commands.choices:
+        parser.error(unknown_command(named, list(commands.choices)))  # exits 2
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         command = commands.choices[args.command]

@@ -129,6 +129,15 @@ def check_runner(name: str, module: str) -> None:
     )
 
 
+def unknown_command(name: str, commands: list[str]) -> str:
+    """argparse's message for a command that is not one of ``commands``, with the command meant
+    where one is close (argparse before Python 3.14 suggests none)."""
+    close = difflib.get_close_matches(name, commands, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    listed = ", ".join(map(repr, commands))
+    return f"argument command: invalid choice: {name!r} (choose from {listed}){hint}"
+
+
 def unknown_arguments(unknown: list[str], flags: list[str]) -> str:
     """argparse's message for the arguments no option of the command takes, with the flag
     meant for each unknown one close to one of ``flags`` (argparse suggests close values of
