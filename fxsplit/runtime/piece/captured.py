@@ -127,8 +127,9 @@ class CapturedPiece(torch.nn.Module):
         if not context.capture_step:
             return self._uncaptured(inputs, None)
         if self.failed is not None:
-            if self.failed is not NO_KERNEL:
-                self._refuse(self.failed)
+            if self.failed is NO_KERNEL:  # nothing to replay, and nothing it runs can write
+                return self.run_eagerly(*inputs)
+            self._refuse(self.failed)
             return self._uncaptured(inputs, None)
         key = self.key(inputs)
         entry = self.entries.get(key)
