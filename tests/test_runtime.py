@@ -577,6 +577,32 @@ def test_grad_enabled_runs_uncaptured_with_one_warning():
     assert net.a.weight.grad is not None
 
 
+class HandsAWeightViewToAttention(nn.Module):
+    """A captured piece hands a view of a weight to the eager piece after it (as a model whose
+    cache update runs eager under v1 hands it the conv weight): without grad the view still
+    requires grad (a view of a leaf), with no autograd history a replay could return stale."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 1, 4))
+
+    def forward(self, x):
+        h, w = x.sin(), self.weight.squeeze(1)
+        with fxsplit.region(MID):
+            h = (h @ w).softmax(-1)
+        return h.cos()
+
+
+def test_a_view_of_a_weight_handed_on_without_grad_is_captured():
+    net = HandsAWeightViewToAttention()
+    model, backend = _compile(net, eager_regions=[MID])
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+            assert torch.equal(model(x), net(x)), i
+    assert_replayed(backend, at_least=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. Reset and isolation
 

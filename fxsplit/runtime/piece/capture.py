@@ -214,8 +214,16 @@ def never_captured(specs: list[InputSpec], aliasing: PieceAliasing, devices) -> 
 
 def _refuse_grad(outputs) -> None:
     for out in flat(outputs):
-        if isinstance(out, torch.Tensor) and out.requires_grad:
+        # A view of a parameter taken without grad requires grad but has no autograd history
+        # (a leaf's views keep requires_grad): there is no grad_fn a replay could return stale.
+        if isinstance(out, torch.Tensor) and out.requires_grad and not _leaf_view(out):
             raise RuntimeError(
                 "an output requires grad (grad is enabled inside the piece); a replay would "
                 "return it with the capture step's grad_fn"
             )
+
+
+def _leaf_view(out: torch.Tensor) -> bool:
+    """Whether ``out`` is a view, without autograd history, of a leaf (a parameter)."""
+    base = out._base
+    return out.grad_fn is None and base is not None and base.grad_fn is None
