@@ -21,9 +21,12 @@ Variants (``--variants``; those needing CUDA are left out on a CPU):
 - ``eager``: the model itself.
 - ``v1_eager``, ``v1_inductor``, ``v2_eager``, ``v2_inductor``: fxsplit under that runner with
   its captured pieces as generated Python or compiled by Inductor.
-- ``floor``: the bare piecewise floor: fxsplit's own split (runner v1), each captured piece one
-  plain graph per input shape over static input buffers (a fresh input copied in, nothing
-  checked, outputs returned as they lie): what vLLM's ``CUDAGraphWrapper`` costs.
+- ``floor``: the bare piecewise floor: fxsplit's own split (Llama: runner v1, as transformers
+  keeps no persistent buffers; DeepSeek-V4: runner v2 over its runner's persistent buffers, so
+  its floor is v2's, and v1, which copies fresh metadata and runs the preparation eagerly, is
+  not held to it), each captured piece one plain graph per input shape over static input
+  buffers (a fresh input copied in, nothing checked, outputs returned as they lie): what vLLM's
+  ``CUDAGraphWrapper`` costs.
 - ``partition`` (CUDA): Inductor's graph partition (``graph_partition=True``,
   ``custom_should_partition_ops`` on the attention ops) under ``mode="reduce-overhead"``:
   cudagraph trees per partition. Llama only (DeepSeek-V4's regions are plain ops).
