@@ -1030,7 +1030,8 @@ def _refill(buffer: torch.Tensor, value: torch.Tensor, how: str, old: list) -> N
         old.append(buffer.untyped_storage())
         buffer.set_(value.clone())
     elif how == "numpy":
-        buffer.numpy()[...] = value.numpy()
+        # (a fed-back output that read the weight requiring grad, under grad: it requires grad)
+        buffer.detach().numpy()[...] = value.detach().numpy()
     elif how == "data":
         buffer.data.copy_(value)
     else:
@@ -2491,3 +2492,21 @@ def test_regression_a_view_of_a_weight_handed_to_eager_attention_is_captured():
     requires grad (a leaf's views do) with no autograd history, and capture refused it as an
     output with a grad_fn a replay would return stale. The draw: ``leaf_view``."""
     run_case(Case(program=(("unary", "sin", 0), ("leaf_view", 2)), outputs=(3,)))
+
+
+def test_regression_a_fed_back_output_that_requires_grad_is_refilled_through_numpy():
+    """Found by the long profile once ``leaf_view`` was drawn: under grad, a fed-back output that
+    read the weight requiring grad requires grad itself, and the caller's NumPy refill of its
+    staging buffer raised (a harness fault: eager and compiled take the same refill)."""
+    run_case(
+        Case(
+            program=(("leaf_view", 0), ("topk", 0)),
+            outputs=(2,),
+            dynamic=False,
+            outer_grad=True,
+            staging=True,
+            refill="numpy",
+            sizes=(1, 2),
+            feedback=True,
+        )
+    )
