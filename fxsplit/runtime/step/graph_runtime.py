@@ -200,6 +200,11 @@ class GraphRuntime:
         for i, placeholder in enumerate(self._placeholders):
             for memory in keeping.storages(placeholder) or ():
                 arguments.setdefault(memory, []).append(i)
+
+        def lend(module, kept):
+            loans = self.pool.ledger.loans
+            return lending.borrower(module, kept, nodes, producer, pieces, self._stitched, loans)
+
         for each in split.pieces:
             part, module, facts = each.part, each.module, each.aliasing
             if part.kind == "captured":
@@ -235,15 +240,7 @@ class GraphRuntime:
                     # its uncaptured runs (warm-ups, refusals) are eager code that an op of it
                     # (a custom op) may keep what it reads in: lent, as to an eager piece
                     kept = keeping.kept_inputs(inputs, part.nodes, ())
-                    borrower = lending.borrower(
-                        module,
-                        kept,
-                        nodes,
-                        producer,
-                        pieces,
-                        self._stitched,
-                        self.pool.ledger.loans,
-                    )
+                    borrower = lend(module, kept)
                     if borrower is not None:
                         captured.run_eagerly = borrower
                 # the stitched module's generated code calls it through its instance dict
@@ -260,15 +257,7 @@ class GraphRuntime:
                     outputs = [nodes[name] for name in module.output_names]
                     inputs = [nodes[name] for name in module.input_names]
                     kept = keeping.kept_inputs(inputs, part.nodes, outputs)
-                    borrower = lending.borrower(
-                        module,
-                        kept,
-                        nodes,
-                        producer,
-                        pieces,
-                        self._stitched,
-                        self.pool.ledger.loans,
-                    )
+                    borrower = lend(module, kept)
                     if borrower is not None:
                         object.__setattr__(self._stitched, module.name, borrower)
             for name in module.output_names:
