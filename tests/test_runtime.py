@@ -603,6 +603,29 @@ def test_a_view_of_a_weight_handed_on_without_grad_is_captured():
     assert_replayed(backend, at_least=2)
 
 
+class ReturnsAWeightView(HandsAWeightViewToAttention):
+    def forward(self, x):
+        return super().forward(x), self.weight.squeeze(1)
+
+
+def test_a_returned_view_of_a_weight_is_made_anew_each_call_as_eager_makes_it():
+    """A replay rebuilds the view over the weight: a view made at capture would carry the
+    weight's version of then, and once the weight changed in place (an optimizer step, a
+    weight load) autograd refuses to use it ("A view was created in no_grad mode and its base
+    ... has been modified inplace"), where eager's view of this call works."""
+    net = ReturnsAWeightView()
+    model, backend = _compile(net, eager_regions=[MID])
+    for i in range(5):
+        with torch.no_grad():
+            if i == 4:
+                net.weight.mul_(2)
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+            (got, view), (want, eager_view) = model(x), net(x)
+            assert torch.equal(got, want) and torch.equal(view, eager_view), i
+        assert (view * 1).requires_grad and view.grad_fn is None, i
+    assert_replayed(backend, at_least=2)
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. Reset and isolation
 

@@ -172,10 +172,13 @@ def _output_bases(piece, outputs, statics) -> list[int | None]:
 
 def _views(piece, outputs, statics, binds, bases) -> tuple:
     """An :class:`~fxsplit.runtime.piece.entry.OutputView` per output that is a view of an OWN
-    input."""
+    input, or a view without autograd history of an input that requires grad."""
     views = []
     for j, (out, i) in enumerate(zip(flat(outputs), bases, strict=True)):
-        if i is None or binds[i] != _OWN or not isinstance(out, torch.Tensor):
+        if i is None or not isinstance(out, torch.Tensor):
+            continue
+        fresh = out.requires_grad and _leaf_view(out)
+        if binds[i] != _OWN and not fresh:
             continue
         static = statics[i]
         start = out.storage_offset() * out.element_size()
@@ -189,7 +192,9 @@ def _views(piece, outputs, statics, binds, bases) -> tuple:
             )
         shape, strides = tuple(out.shape), tuple(out.stride())
         conj, neg = out.is_conj(), out.is_neg()
-        views.append(OutputView(j, i, shape, strides, offset, dtype, conj, neg, out is static))
+        views.append(
+            OutputView(j, i, shape, strides, offset, dtype, conj, neg, out is static, fresh)
+        )
     return tuple(views)
 
 
@@ -215,7 +220,8 @@ def never_captured(specs: list[InputSpec], aliasing: PieceAliasing, devices) -> 
 def _refuse_grad(outputs) -> None:
     for out in flat(outputs):
         # A view of a parameter taken without grad requires grad but has no autograd history
-        # (a leaf's views keep requires_grad): there is no grad_fn a replay could return stale.
+        # (a leaf's views keep requires_grad): no grad_fn a replay could return stale, and each
+        # replay makes the view anew (_views), as eager does.
         if isinstance(out, torch.Tensor) and out.requires_grad and not _leaf_view(out):
             raise RuntimeError(
                 "an output requires grad (grad is enabled inside the piece); a replay would "

@@ -88,6 +88,7 @@ class CapturedPiece(torch.nn.Module):
         compiled = self.check_uncompiled is not None
         self.min_warmups = max(context.warmup_runs, 1 if compiled else 0)
         self.specs = specs
+        self.writes = any(spec.written for spec in specs)
         self.aliasing = aliasing
         self.output_names = piece.output_names
         self.num_outputs = len(piece.output_names)
@@ -127,8 +128,11 @@ class CapturedPiece(torch.nn.Module):
         if not context.capture_step:
             return self._uncaptured(inputs, None)
         if self.failed is not None:
-            if self.failed is NO_KERNEL:  # nothing to replay, and nothing it runs can write
-                return self.run_eagerly(*inputs)
+            if self.failed is NO_KERNEL:  # nothing to replay: its Python, counted nowhere
+                out = self.run_eagerly(*inputs)
+                if self.writes:  # a write of no element at the capture key may write at another
+                    context.epoch += 1
+                return out
             self._refuse(self.failed)
             return self._uncaptured(inputs, None)
         key = self.key(inputs)
@@ -247,9 +251,9 @@ class CapturedPiece(torch.nn.Module):
             return entry.outputs
         single = not isinstance(entry.outputs, tuple)
         outputs = [entry.outputs] if single else list(entry.outputs)
-        for j, i, size, stride, offset, dtype, conj, neg, itself in entry.views:
+        for j, i, size, stride, offset, dtype, conj, neg, itself, fresh in entry.views:
             value = inputs[i]
-            if value is not entry.statics[i]:
+            if fresh or value is not entry.statics[i]:
                 outputs[j] = rebuild(value, size, stride, offset, dtype, conj, neg, itself)
         return outputs[0] if single else tuple(outputs)
 

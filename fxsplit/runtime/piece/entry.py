@@ -47,7 +47,9 @@ class Written(NamedTuple):
 
 class OutputView(NamedTuple):
     """An output that views OWN input ``input``: eagerly it aliases the caller's tensor, so
-    each replay rebuilds it over that tensor (:func:`rebuild`)."""
+    each replay rebuilds it over that tensor (:func:`rebuild`). ``fresh``: a view, without
+    autograd history, of an input that requires grad (a weight): eager makes it anew each call,
+    with the weight's version of then, so each replay rebuilds it whatever the binding."""
 
     output: int  # position among the piece's outputs
     input: int
@@ -58,6 +60,7 @@ class OutputView(NamedTuple):
     conj: bool
     neg: bool
     itself: bool  # the output is the input tensor itself (an in-place op's result), no view
+    fresh: bool
 
 
 class Entry:
