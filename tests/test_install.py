@@ -101,10 +101,14 @@ def test_ci_runs_the_readmes_test_command():
 
 def test_ci_ends_with_the_suites_count_and_the_count_expected():
     """pytest's summary line, printed again after the vLLM check, beside the number of tests
-    collected: every one passes or skips."""
+    collected and of the modules skipped whole at collection (tests/vllm/ without vLLM, one
+    skip each in the summary): every one passes or skips."""
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
-    assert "collected=$(python3 -m pytest -q --collect-only | tail -n 1)" in ci
-    assert ci[-2:] == [
+    assert "collection=$(python3 -m pytest -q --collect-only -rs)" in ci
+    assert "whole=$(grep -c '^SKIPPED' <<<\"$collection\" || true)" in ci
+    assert ci[-3:] == [
         'echo "== the suite: $(tail -n 1 "$log")"',
-        'echo "== expected: ${collected%% in *}, each passed or skipped (no failure, no error)"',
+        'echo "== expected: ${collected%% in *} and $whole modules skipped whole, '
+        '$((${collected%% *} + whole))" \\',
+        '    "in all, each passed or skipped (no failure, no error)"',
     ]

@@ -526,7 +526,9 @@ class Interp(nn.Module):
             # the view is made before the region and read inside it: where attention runs
             # eagerly, a captured piece hands it on
             r = regs[ins[1] % n]
-            view = self.leaf.expand_as(r)
+            # under grad a detached one: outputs requiring grad there are GRAD_LEAF's alone
+            leaf = self.leaf.detach() if torch.is_grad_enabled() else self.leaf
+            view = leaf.expand_as(r)
             with fxsplit.region("attention"):
                 regs.append(r * view + r)
         elif kind == "meta" and ins[1] == "relayout_":
@@ -1030,8 +1032,7 @@ def _refill(buffer: torch.Tensor, value: torch.Tensor, how: str, old: list) -> N
         old.append(buffer.untyped_storage())
         buffer.set_(value.clone())
     elif how == "numpy":
-        # (a fed-back output that read the weight requiring grad, under grad: it requires grad)
-        buffer.detach().numpy()[...] = value.detach().numpy()
+        buffer.numpy()[...] = value.numpy()
     elif how == "data":
         buffer.data.copy_(value)
     else:
@@ -2492,21 +2493,3 @@ def test_regression_a_view_of_a_weight_handed_to_eager_attention_is_captured():
     requires grad (a leaf's views do) with no autograd history, and capture refused it as an
     output with a grad_fn a replay would return stale. The draw: ``leaf_view``."""
     run_case(Case(program=(("unary", "sin", 0), ("leaf_view", 2)), outputs=(3,)))
-
-
-def test_regression_a_fed_back_output_that_requires_grad_is_refilled_through_numpy():
-    """Found by the long profile once ``leaf_view`` was drawn: under grad, a fed-back output that
-    read the weight requiring grad requires grad itself, and the caller's NumPy refill of its
-    staging buffer raised (a harness fault: eager and compiled take the same refill)."""
-    run_case(
-        Case(
-            program=(("leaf_view", 0), ("topk", 0)),
-            outputs=(2,),
-            dynamic=False,
-            outer_grad=True,
-            staging=True,
-            refill="numpy",
-            sizes=(1, 2),
-            feedback=True,
-        )
-    )
