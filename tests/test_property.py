@@ -2493,3 +2493,20 @@ def test_regression_a_view_of_a_weight_handed_to_eager_attention_is_captured():
     requires grad (a leaf's views do) with no autograd history, and capture refused it as an
     output with a grad_fn a replay would return stale. The draw: ``leaf_view``."""
     run_case(Case(program=(("unary", "sin", 0), ("leaf_view", 2)), outputs=(3,)))
+
+
+def test_regression_a_graph_with_no_captured_piece_raises_nothing_under_grad():
+    """Found by the long profile (seed 209): under grad, with a weight requiring grad as an input
+    and ``on_capture_error="raise"``, a graph whose pieces all run eagerly raised "pieces cannot
+    be captured" though it had none to capture (and under "fallback" it counted no refusal)."""
+    run_case(
+        Case(
+            program=(("graph_break",), ("module", 0, 0), ("leaf_view", 15)),
+            outputs=(0,),
+            dynamic=False,
+            outer_grad=True,
+            eager_modules=("PropMlp", "PropMix"),
+            sizes=(1, 2),
+            options={"capture_sizes": (1,), "on_capture_error": "raise"},
+        )
+    )

@@ -331,6 +331,8 @@ class GraphRuntime:
         return self.statics.is_frozen_memory(value)
 
     def _may_capture(self, args) -> bool:
+        if not self.pieces:  # every piece runs eagerly: nothing to capture, nothing to refuse
+            return False
         if torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args
         ):
