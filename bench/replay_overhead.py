@@ -60,7 +60,7 @@ def main() -> None:
         runtime = backend.runtimes[0]
         seen, originals, graph_args = {}, {}, {}
         for piece in runtime.pieces:
-            originals[piece.name] = piece.run_uncaptured
+            originals[piece.name] = piece.run_eagerly
 
             def record(*inputs, _name=piece.name):
                 seen[_name] = inputs
@@ -68,7 +68,7 @@ def main() -> None:
 
             for entry in piece.entries.values():
                 entry.graph.replay = lambda: None
-            piece.run_uncaptured = record
+            piece.run_eagerly = record
         forward = runtime._forward
 
         def spy(*graph_inputs):
@@ -80,7 +80,7 @@ def main() -> None:
         compiled(*step)
         runtime._forward, runtime.capture_sizes = forward, None
         for piece in runtime.pieces:
-            piece.run_uncaptured = originals[piece.name]
+            piece.run_eagerly = originals[piece.name]
         runtime.context.capture_step = True
 
         rows = []
