@@ -5,6 +5,7 @@ guard that refuses a call whose shared storage separate buffers could not keep.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 
 import torch
@@ -14,7 +15,16 @@ from fxsplit.runtime.inputs.binding import Bind, Refused
 from fxsplit.runtime.memory import provenance
 from fxsplit.runtime.memory.storage import storage_ptr
 
-__all__ = ["AliasGuard", "OwnBuffer", "OwnBuffers", "buffer_key", "new_own_buffer", "own_buffer"]
+__all__ = [
+    "AliasGuard",
+    "OwnBuffer",
+    "OwnBuffers",
+    "WrittenMemory",
+    "buffer_key",
+    "memory_span",
+    "new_own_buffer",
+    "own_buffer",
+]
 
 _OWN = Bind.OWN
 
@@ -26,13 +36,14 @@ class OwnBuffer:
     of the pool, whose handed-out outputs a copy into it must invalidate first); ``mark``
     remembers the value last copied in (:meth:`remember`)."""
 
-    __slots__ = ("mark", "pooled", "rebound", "region", "source", "static")
+    __slots__ = ("mark", "pooled", "rebound", "region", "source", "static", "written")
 
-    def __init__(self, static, region, source, pooled: bool = False):
+    def __init__(self, static, region, source, pooled: bool = False, written=None):
         self.static = static
         self.region = region  # the flat memory under an overlapping (expanded) buffer
         self.source = source  # weak reference to the caller's storage it mirrors
         self.pooled = pooled
+        self.written: WrittenMemory | None = written
         self.rebound = False
         self.mark = None
 
@@ -46,13 +57,16 @@ class OwnBuffer:
         write it through another tensor over its memory with a counter of its own.
         Nothing is remembered where the version counter cannot tell: an inference tensor has
         none, and a replay changes a captured graph's output unseen; nor for a ``rebound``
-        parameter (see :class:`~fxsplit.runtime.inputs.binding.InputSpec`), copied every call."""
+        parameter (see :class:`~fxsplit.runtime.inputs.binding.InputSpec`), copied every call;
+        nor for memory a captured graph writes at its capture's addresses (:class:`WrittenMemory`),
+        where no version counter but the one of the tensor the graph was handed moves."""
         if self.rebound or value.is_inference() or provenance.RECORD.captured_output(value):
             self.mark = None
+            return
+        memory = memory_span(value)
+        if self.written is not None and self.written.overlaps(memory):
+            self.mark = None
         else:
-            storage = value.untyped_storage()
-            start = storage.data_ptr()
-            memory = start, start + storage.nbytes()
             self.mark = weakref.ref(value), value._version, value.data_ptr(), epoch, memory
 
     def holds(self, value: torch.Tensor, epoch: int) -> bool:
@@ -73,6 +87,7 @@ class OwnBuffers:
 
     def __init__(self):
         self._buffers: dict[tuple, OwnBuffer] = {}
+        self.written = WrittenMemory()
 
     def get(self, value: torch.Tensor, epoch: int, rebound: bool = False) -> OwnBuffer:
         """fxsplit's static buffer for the caller's ``value`` holding its values, shared by
@@ -82,7 +97,7 @@ class OwnBuffers:
         key = buffer_key(value)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.source.expired():
-            buffer = self._buffers[key] = new_own_buffer(value)
+            buffer = self._buffers[key] = new_own_buffer(value, self.written)
             buffer.rebound = rebound
             return buffer
         buffer.rebound |= rebound
@@ -99,22 +114,84 @@ class OwnBuffers:
         return buffer
 
     def forget_over(self, value: torch.Tensor) -> None:
-        """A write-back just wrote ``value``: no buffer holds what another tensor over any of
-        its storage's memory holds now (that tensor's version counter did not see the write:
-        ``torch.from_numpy(a.numpy())``, a storage ``set_`` into another tensor)."""
-        storage = value.untyped_storage()
-        low = storage.data_ptr()
-        high = low + storage.nbytes()
+        """A write just reached ``value`` unseen by other tensors over its memory: no buffer
+        holds what another tensor over any of its storage's memory holds now (that tensor's
+        version counter did not see the write: ``torch.from_numpy(a.numpy())``, a storage
+        ``set_`` into another tensor)."""
+        self.forget_spans((memory_span(value),))
+
+    def forget_spans(self, spans: tuple[tuple[int, int], ...]) -> None:
+        """:meth:`forget_over` for ``spans`` of ``(low, high)`` byte addresses."""
         for buffer in self._buffers.values():
             mark = buffer.mark
-            if mark is not None and mark[4][0] < high and low < mark[4][1]:
-                buffer.mark = None
+            if mark is not None:
+                start, end = mark[4]
+                for low, high in spans:
+                    if start < high and low < end:
+                        buffer.mark = None
+                        break
 
     def __iter__(self):
         return iter(self._buffers.values())
 
     def clear(self) -> None:
         self._buffers.clear()
+
+
+class WrittenMemory:
+    """The memory captured graphs write at their capture's addresses: the storages of the
+    inputs bound by address that a piece writes (a runner's persistent KV cache). A replay's
+    writes bump only the version counter of the tensor the graph was handed; a copy of that
+    memory made from another tensor over it would be taken as current after the replay. So no
+    copy of this memory is ever remembered (:meth:`OwnBuffer.remember`), and a replay has
+    nothing to forget: the check is made once per copy, never per replay.
+
+    Spans are counted per entry that registered them (:meth:`add` at capture, :meth:`remove`
+    when its graph is freed) and merged into sorted, disjoint ``(low, high)`` byte ranges."""
+
+    __slots__ = ("_counts", "_ends", "_starts")
+
+    def __init__(self):
+        self._counts: dict[tuple[int, int], int] = {}
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, spans) -> None:
+        for span in spans:
+            self._counts[span] = self._counts.get(span, 0) + 1
+        if spans:
+            self._merge()
+
+    def remove(self, spans) -> None:
+        for span in spans:
+            left = self._counts.pop(span) - 1
+            if left:
+                self._counts[span] = left
+        if spans:
+            self._merge()
+
+    def overlaps(self, span: tuple[int, int]) -> bool:
+        """Whether the byte range ``span`` = ``(low, high)`` meets any written span."""
+        low, high = span
+        i = bisect.bisect_right(self._ends, low)  # the first merged range ending past low
+        return i < len(self._starts) and self._starts[i] < high
+
+    def _merge(self) -> None:
+        starts, ends = [], []
+        for low, high in sorted(self._counts):
+            if starts and low <= ends[-1]:
+                ends[-1] = max(ends[-1], high)
+            else:
+                starts.append(low)
+                ends.append(high)
+        self._starts, self._ends = starts, ends
+
+
+def memory_span(value: torch.Tensor) -> tuple[int, int]:
+    """The ``(low, high)`` byte addresses of ``value``'s whole storage."""
+    storage = value.untyped_storage()
+    low = storage.data_ptr()
+    return low, low + storage.nbytes()
 
 
 def own_buffer(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -161,10 +238,11 @@ def buffer_key(value: torch.Tensor) -> tuple:
     )
 
 
-def new_own_buffer(value: torch.Tensor) -> OwnBuffer:
-    """A :class:`OwnBuffer` mirroring ``value``."""
+def new_own_buffer(value: torch.Tensor, written: WrittenMemory | None = None) -> OwnBuffer:
+    """A :class:`OwnBuffer` mirroring ``value`` (``written``: its graph's
+    :class:`WrittenMemory`)."""
     static, region = own_buffer(value)
-    return OwnBuffer(static, region, StorageWeakRef(value.untyped_storage()))
+    return OwnBuffer(static, region, StorageWeakRef(value.untyped_storage()), written=written)
 
 
 def _overlaps(value: torch.Tensor) -> bool:

@@ -12,7 +12,7 @@ import torch
 from fxsplit.facts.aliasing import PieceAliasing
 from fxsplit.runtime.inputs import binding
 from fxsplit.runtime.inputs.binding import Bind, InputSpec, Refused
-from fxsplit.runtime.inputs.static_buffers import AliasGuard, OwnBuffer
+from fxsplit.runtime.inputs.static_buffers import AliasGuard, OwnBuffer, memory_span
 from fxsplit.runtime.memory import provenance
 from fxsplit.runtime.memory.storage import storage_ptr
 from fxsplit.runtime.piece.entry import Check, Entry, OutputView, Written, flat
@@ -115,6 +115,10 @@ def capture(piece, key, inputs) -> Entry:
     written = [i for i in written if isinstance(statics[i], torch.Tensor)]
     entry.written = tuple(Written(i, statics[i], buffers[i]) for i in written if binds[i] is _OWN)
     entry.bumped = tuple(statics[i] for i in written if binds[i] is not _OWN)
+    entry.bumped_spans = tuple(memory_span(static) for static in entry.bumped)
+    # the capture wrote that memory: copies made of it through other tensors are stale
+    context.buffers.written.add(entry.bumped_spans)
+    context.buffers.forget_spans(entry.bumped_spans)
     entry.alias_guard = guard if guard is not None and guard.needed else None
     first: dict[int, int] = {}
     shared = []

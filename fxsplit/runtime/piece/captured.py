@@ -241,12 +241,9 @@ class CapturedPiece(torch.nn.Module):
                 _increment_version((static,))
         if entry.bumped:
             # A CUDA graph's writes bypass the version counter; keep it truthful (inference
-            # tensors, which have none, are skipped). Another tensor over the same memory has a
-            # counter of its own: what fxsplit copied of that memory is stale too.
+            # tensors, which have none, are skipped). No copy of that memory through another
+            # tensor is remembered (WrittenMemory), so there is nothing to forget.
             _increment_version(entry.bumped)
-            forget = self.context.buffers.forget_over
-            for written in entry.bumped:
-                forget(written)
         if not entry.views:
             return entry.outputs
         single = not isinstance(entry.outputs, tuple)
@@ -374,6 +371,7 @@ class CapturedPiece(torch.nn.Module):
         """Free ``entry``'s graph; outputs of it that were handed out and are still held move to
         memory of their own (invalidated on torch 2.11)."""
         context = self.context
+        context.buffers.written.remove(entry.bumped_spans)
         for ident, ptr in entry.owned:
             context.static_outputs.pop(ident, None)
             context.pool.owners.pop(ptr, None)

@@ -69,18 +69,21 @@ class Entry:
     ``checks`` holds a :class:`Check` per input bound OWN, ADDRESS or PINNED (``owns`` the OWN
     ones, ``bound`` tells in one call whether every other one is where capture found it);
     ``written`` a :class:`Written` per OWN input the piece writes, ``bumped`` the other written
-    inputs, whose version counters each replay bumps; ``views`` an :class:`OutputView` per output
-    that is a view of an OWN input (hot loops unpack them as tuples); ``shared`` the pairs
-    of OWN inputs bound to one shared buffer (the same caller view at capture); ``alias_guard``
-    checks shared storage per call (pieces that write an input); ``order`` is the graph's
-    capture order in the pool; ``owned`` the ids and data pointers of the outputs in fxsplit's
-    memory.
+    inputs, whose version counters each replay bumps (``bumped_spans``: their storages' byte
+    ranges, registered in the graph's
+    :class:`~fxsplit.runtime.inputs.static_buffers.WrittenMemory` while the entry lives);
+    ``views`` an :class:`OutputView` per output that is a view of an OWN input (hot loops
+    unpack them as tuples); ``shared`` the pairs of OWN inputs bound to one shared buffer (the
+    same caller view at capture); ``alias_guard`` checks shared storage per call (pieces that
+    write an input); ``order`` is the graph's capture order in the pool; ``owned`` the ids and
+    data pointers of the outputs in fxsplit's memory.
     """
 
     __slots__ = (
         "alias_guard",
         "bound",
         "bumped",
+        "bumped_spans",
         "capture_ptrs",
         "checks",
         "counts",
@@ -109,6 +112,7 @@ class Entry:
         self.views = views
         self.written: tuple[Written, ...] = ()
         self.bumped: tuple[torch.Tensor, ...] = ()
+        self.bumped_spans: tuple[tuple[int, int], ...] = ()
         self.alias_guard: AliasGuard | None = None
         self.order = -1
         self.owned: tuple = ()
