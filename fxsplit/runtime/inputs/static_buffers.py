@@ -19,6 +19,7 @@ __all__ = [
     "AliasGuard",
     "OwnBuffer",
     "OwnBuffers",
+    "Spans",
     "WrittenMemory",
     "buffer_key",
     "memory_span",
@@ -34,16 +35,17 @@ class OwnBuffer:
     and piece of a graph that captured that view (a KV cache handed in as a plain argument is
     held once), or an earlier captured piece's output read where it lies (``pooled``: memory
     of the pool, whose handed-out outputs a copy into it must invalidate first); ``mark``
-    remembers the value last copied in (:meth:`remember`)."""
+    remembers the value last copied in (:meth:`remember`); ``owner``: the graph's
+    :class:`OwnBuffers` (None for ``pooled``)."""
 
-    __slots__ = ("mark", "pooled", "rebound", "region", "source", "static", "written")
+    __slots__ = ("mark", "owner", "pooled", "rebound", "region", "source", "static")
 
-    def __init__(self, static, region, source, pooled: bool = False, written=None):
+    def __init__(self, static, region, source, pooled: bool = False, owner=None):
         self.static = static
         self.region = region  # the flat memory under an overlapping (expanded) buffer
         self.source = source  # weak reference to the caller's storage it mirrors
         self.pooled = pooled
-        self.written: WrittenMemory | None = written
+        self.owner: OwnBuffers | None = owner
         self.rebound = False
         self.mark = None
 
@@ -59,15 +61,20 @@ class OwnBuffer:
         none, and a replay changes a captured graph's output unseen; nor for a ``rebound``
         parameter (see :class:`~fxsplit.runtime.inputs.binding.InputSpec`), copied every call;
         nor for memory a captured graph writes at its capture's addresses (:class:`WrittenMemory`),
-        where no version counter but the one of the tensor the graph was handed moves."""
+        where no version counter but the one of the tensor the graph was handed moves. A copy
+        of memory an eager piece of the call writes with torch's ops is remembered until that
+        write (:meth:`OwnBuffers.forget_eager_written`)."""
         if self.rebound or value.is_inference() or provenance.RECORD.captured_output(value):
             self.mark = None
             return
         memory = memory_span(value)
-        if self.written is not None and self.written.overlaps(memory):
+        owner = self.owner
+        if owner is not None and owner.written.overlaps(memory):
             self.mark = None
-        else:
-            self.mark = weakref.ref(value), value._version, value.data_ptr(), epoch, memory
+            return
+        self.mark = weakref.ref(value), value._version, value.data_ptr(), epoch, memory
+        if owner is not None and owner.eager_written and owner.eager_overlaps(memory):
+            owner.fragile.append(self)
 
     def holds(self, value: torch.Tensor, epoch: int) -> bool:
         """Whether the buffer holds ``value``'s values: the same tensor, at the same address,
@@ -83,11 +90,49 @@ class OwnBuffer:
 
 
 class OwnBuffers:
-    """A graph's :class:`OwnBuffer` objects, one per view of a caller's tensor."""
+    """A graph's :class:`OwnBuffer` objects, one per view of a caller's tensor, and what makes
+    their copies stale unseen by version counters: the memory captured graphs write by address
+    (``written``, a :class:`WrittenMemory`), and the graph arguments the eager pieces write
+    with torch's ops (``eager_written``, their indices, set once the pieces are known), which
+    a copy through another tensor over their memory must not outlive (``fragile``: the buffers
+    holding such a copy in this call)."""
 
     def __init__(self):
         self._buffers: dict[tuple, OwnBuffer] = {}
         self.written = WrittenMemory()
+        self.eager_written: tuple[int, ...] = ()
+        self.fragile: list[OwnBuffer] = []
+        self._args: tuple = ()
+        self._eager_spans: Spans | None = None
+
+    def bind_call(self, args: tuple) -> None:
+        """A call of the graph with ``args`` starts (``()``: it ended). Copies remembered in
+        an earlier call are of another epoch already; the memory of this call's
+        ``eager_written`` arguments is read at the first copy that needs it."""
+        self._args = args
+        self._eager_spans = None
+        self.fragile.clear()
+
+    def eager_overlaps(self, span: tuple[int, int]) -> bool:
+        """Whether ``span`` meets the memory of an argument of this call that an eager piece
+        writes with torch's ops."""
+        spans = self._eager_spans
+        if spans is None:
+            args = self._args
+            spans = self._eager_spans = Spans(
+                memory_span(args[i])
+                for i in self.eager_written
+                if i < len(args) and isinstance(args[i], torch.Tensor)
+            )
+        return spans.overlaps(span)
+
+    def forget_eager_written(self) -> None:
+        """An eager piece just wrote arguments in ``eager_written`` with torch's ops: the
+        copies of their memory through other tensors (whose version counters did not see it)
+        are stale."""
+        for buffer in self.fragile:
+            buffer.mark = None
+        self.fragile.clear()
 
     def get(self, value: torch.Tensor, epoch: int, rebound: bool = False) -> OwnBuffer:
         """fxsplit's static buffer for the caller's ``value`` holding its values, shared by
@@ -97,7 +142,7 @@ class OwnBuffers:
         key = buffer_key(value)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.source.expired():
-            buffer = self._buffers[key] = new_own_buffer(value, self.written)
+            buffer = self._buffers[key] = new_own_buffer(value, self)
             buffer.rebound = rebound
             return buffer
         buffer.rebound |= rebound
@@ -136,6 +181,31 @@ class OwnBuffers:
 
     def clear(self) -> None:
         self._buffers.clear()
+        self.fragile.clear()
+
+
+class Spans:
+    """Byte ranges ``(low, high)``, merged into sorted disjoint ranges, asked for overlap by
+    bisection."""
+
+    __slots__ = ("_ends", "_starts")
+
+    def __init__(self, spans=()):
+        starts: list[int] = []
+        ends: list[int] = []
+        for low, high in sorted(spans):
+            if starts and low <= ends[-1]:
+                ends[-1] = max(ends[-1], high)
+            else:
+                starts.append(low)
+                ends.append(high)
+        self._starts, self._ends = starts, ends
+
+    def overlaps(self, span: tuple[int, int]) -> bool:
+        """Whether the byte range ``span`` = ``(low, high)`` meets any of the ranges."""
+        low, high = span
+        i = bisect.bisect_right(self._ends, low)  # the first range ending past low
+        return i < len(self._starts) and self._starts[i] < high
 
 
 class WrittenMemory:
@@ -147,20 +217,19 @@ class WrittenMemory:
     nothing to forget: the check is made once per copy, never per replay.
 
     Spans are counted per entry that registered them (:meth:`add` at capture, :meth:`remove`
-    when its graph is freed) and merged into sorted, disjoint ``(low, high)`` byte ranges."""
+    when its graph is freed)."""
 
-    __slots__ = ("_counts", "_ends", "_starts")
+    __slots__ = ("_counts", "_spans")
 
     def __init__(self):
         self._counts: dict[tuple[int, int], int] = {}
-        self._starts: list[int] = []
-        self._ends: list[int] = []
+        self._spans = Spans()
 
     def add(self, spans) -> None:
         for span in spans:
             self._counts[span] = self._counts.get(span, 0) + 1
         if spans:
-            self._merge()
+            self._spans = Spans(self._counts)
 
     def remove(self, spans) -> None:
         for span in spans:
@@ -168,23 +237,11 @@ class WrittenMemory:
             if left:
                 self._counts[span] = left
         if spans:
-            self._merge()
+            self._spans = Spans(self._counts)
 
     def overlaps(self, span: tuple[int, int]) -> bool:
         """Whether the byte range ``span`` = ``(low, high)`` meets any written span."""
-        low, high = span
-        i = bisect.bisect_right(self._ends, low)  # the first merged range ending past low
-        return i < len(self._starts) and self._starts[i] < high
-
-    def _merge(self) -> None:
-        starts, ends = [], []
-        for low, high in sorted(self._counts):
-            if starts and low <= ends[-1]:
-                ends[-1] = max(ends[-1], high)
-            else:
-                starts.append(low)
-                ends.append(high)
-        self._starts, self._ends = starts, ends
+        return self._spans.overlaps(span)
 
 
 def memory_span(value: torch.Tensor) -> tuple[int, int]:
@@ -238,11 +295,10 @@ def buffer_key(value: torch.Tensor) -> tuple:
     )
 
 
-def new_own_buffer(value: torch.Tensor, written: WrittenMemory | None = None) -> OwnBuffer:
-    """A :class:`OwnBuffer` mirroring ``value`` (``written``: its graph's
-    :class:`WrittenMemory`)."""
+def new_own_buffer(value: torch.Tensor, owner: OwnBuffers | None = None) -> OwnBuffer:
+    """A :class:`OwnBuffer` mirroring ``value`` (``owner``: its graph's :class:`OwnBuffers`)."""
     static, region = own_buffer(value)
-    return OwnBuffer(static, region, StorageWeakRef(value.untyped_storage()), written=written)
+    return OwnBuffer(static, region, StorageWeakRef(value.untyped_storage()), owner=owner)
 
 
 def _overlaps(value: torch.Tensor) -> bool:

@@ -122,9 +122,7 @@ class CapturedPiece(torch.nn.Module):
         if self.after_eager:
             context.epoch += 1
         elif self.written_before:
-            forget, args = context.buffers.forget_over, context.args
-            for i in self.written_before:
-                forget(args[i])
+            context.buffers.forget_eager_written()
         if not context.capture_step:
             return self._uncaptured(inputs, None)
         if self.failed is not None:

@@ -262,6 +262,9 @@ class GraphRuntime:
                         object.__setattr__(self._stitched, module.name, borrower)
             for name in module.output_names:
                 producer[nodes[name]] = module.name
+        self.context.buffers.eager_written = tuple(
+            sorted({i for piece in pieces for i in piece.written_before})
+        )
         return pieces
 
     def __call__(self, *args):
@@ -302,7 +305,7 @@ class GraphRuntime:
             if statics.volatile:
                 self._check_settled(args)
         session.enter()
-        context.args = args
+        context.buffers.bind_call(args)
         out = ()
         try:
             out = self._forward(*args)
@@ -316,7 +319,7 @@ class GraphRuntime:
                 ) from error
             raise
         finally:
-            context.args = ()  # holds no caller's tensor past the call
+            context.buffers.bind_call(())  # holds no caller's tensor past the call
             session.exit()
             if handed:  # also when the model raised: the caller's tensors leave the pool
                 out = hand_back(out, handed, self.graph_id)
