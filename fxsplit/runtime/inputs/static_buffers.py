@@ -64,12 +64,14 @@ class OwnBuffer:
         where no version counter but the one of the tensor the graph was handed moves. A copy
         of memory an eager piece of the call writes with torch's ops is remembered until that
         write (:meth:`OwnBuffers.forget_eager_written`)."""
-        if self.rebound or value.is_inference() or provenance.RECORD.captured_output(value):
+        if self.rebound or value.is_inference():
             self.mark = None
             return
         memory = memory_span(value)
         owner = self.owner
-        if owner is not None and owner.written.overlaps(memory):
+        if provenance.RECORD.captured_storage(memory[0]) or (
+            owner is not None and owner.written.overlaps(memory)
+        ):
             self.mark = None
             return
         self.mark = weakref.ref(value), value._version, value.data_ptr(), epoch, memory

@@ -19,6 +19,7 @@ parameter here: the capture key reads its address (:mod:`fxsplit.runtime.inputs.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
@@ -28,6 +29,8 @@ from fxsplit.runtime.memory import provenance
 from fxsplit.runtime.memory.storage import storage_ptr
 
 __all__ = ["SETTLED", "StaticInputs"]
+
+_DATA_PTR = torch.Tensor.data_ptr
 
 # Calls a rebound parameter must hold still before it is read by address again: a model that
 # rebinds its state hands a new tensor every call, so it never gets there.
@@ -91,7 +94,7 @@ class StaticInputs:
         ``(FIRST, pooled)`` at the first look (``pooled``: those in a capture pool, another
         graph's outputs the model rebound them to), ``(SAME, [])``, ``(REBOUND, moved)`` for
         those the model rebinds, ``(MOVED, moved)`` for weights moved to the caller's memory."""
-        ptrs = tuple(args[i].data_ptr() for i in self.params)
+        ptrs = self._addresses(args)
         if self._ptrs is None:
             self._remember(args)
             # A captured graph's output: the pool's memory, which that graph's next output
@@ -155,8 +158,26 @@ class StaticInputs:
             self._remember(args)
         return settled
 
+    @property
+    def params(self) -> list[int]:
+        """Indices of the parameters and buffers captured pieces read by address."""
+        return self._params
+
+    @params.setter
+    def params(self, indices: list[int]) -> None:
+        self._params = indices
+        # read once per step: C loops, no Python one (itemgetter of one index is no tuple)
+        if len(indices) > 1:
+            self._pick = operator.itemgetter(*indices)
+        else:
+            self._pick = lambda args, picked=tuple(indices): tuple(args[i] for i in picked)
+
+    def _addresses(self, args) -> tuple[int, ...]:
+        """The data pointers of the parameters in ``args``."""
+        return tuple(map(_DATA_PTR, self._pick(args)))
+
     def _remember(self, args) -> None:
-        self._ptrs = tuple(args[i].data_ptr() for i in self.params)
+        self._ptrs = self._addresses(args)
         volatile = self.volatile
         self._frozen = frozenset(
             storage_ptr(args[i]) for i in self._static if self.placeholders[i].name not in volatile

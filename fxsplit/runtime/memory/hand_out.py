@@ -25,8 +25,10 @@ def take_over(pool, args, indices: list[int]) -> list | None:
     reads private copies (sharing memory as the originals do), handed back afterwards.
     Outputs handed out in this step need none: replays keep capture order within a step."""
     ledger = pool.ledger
-    step = pool.step
-    back = [i for i in indices if (h := ledger.handed_out(args[i])) is not None and h.step != step]
+    earlier = ledger.handed_before(pool.step)
+    if not earlier:  # the common step: nothing handed out before is still referenced
+        return None
+    back = [i for i in indices if args[i].untyped_storage()._cdata in earlier]
     if not back:
         return None
     copies = clone_sharing([args[i] for i in back])

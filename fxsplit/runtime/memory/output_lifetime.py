@@ -164,6 +164,17 @@ class OutputLedger:
             return None
         return found
 
+    def handed_before(self, step: int) -> set[int]:
+        """The storages (``_cdata``) of the hand-outs of steps before ``step`` still referenced;
+        forgets the others (the cost is the number of hand-outs followed, not of arguments)."""
+        earlier = set()
+        for cdata, handed in list(self._live.items()):
+            if handed.ref.expired():
+                del self._live[cdata]
+            elif handed.step != step:
+                earlier.add(cdata)
+        return earlier
+
     def keep_as_state(self, graph_id: str, slot: int) -> None:
         """What ``graph_id`` hands out at position ``slot`` is the model's state, read back at
         its next call (known from Dynamo's side effects at compile time, or found when it came

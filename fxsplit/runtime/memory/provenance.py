@@ -111,8 +111,15 @@ class Provenance:
     def captured_output(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lives in a captured graph's output storage of an open pool (a
         replay changes it, unseen by its version counter)."""
-        ptr = storage_ptr(tensor)
-        return any(ptr in pool.owners for pool in self._open())
+        return self.captured_storage(storage_ptr(tensor))
+
+    def captured_storage(self, ptr: int | None) -> bool:
+        """:meth:`captured_output` for the storage at address ``ptr``."""
+        for ref in tuple(self._pools.values()):
+            pool = ref()
+            if pool is not None and ptr in pool.owners:
+                return True
+        return False
 
     def record_outputs(
         self, owner: object, graph: object, out: tuple, slots: tuple[int, ...], args: tuple = ()

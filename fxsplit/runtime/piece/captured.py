@@ -189,11 +189,12 @@ class CapturedPiece(torch.nn.Module):
                     "call's strides differ from the capture's"
                 )
             buffer.remember(value, epoch)
+            nbytes = value.nbytes
             counts = entry.counts
             counts["input_copies"] += 1
-            counts["input_copy_bytes"] += value.nbytes
+            counts["input_copy_bytes"] += nbytes
             _TOTALS["input_copies"] += 1
-            _TOTALS["input_copy_bytes"] += value.nbytes
+            _TOTALS["input_copy_bytes"] += nbytes
             self.stats.copies_by_input[self.specs[i].name] += 1
         if entry.alias_guard is not None:
             entry.alias_guard.check(self.specs, inputs)
