@@ -73,3 +73,29 @@ def test_every_counter_has_one_definition_the_docs_repeat():
     legend = dict(demo.LEGEND)
     for word, name in [("captures", "captures"), ("uncaptured", "uncaptured_runs")]:
         assert legend[word] == counters.DEFINITIONS[name]
+
+
+def _cells(row: str) -> int:
+    """A table row's cell count as GitHub reads it: every unescaped ``|`` delimits, in code
+    spans too."""
+    return len(re.findall(r"(?<!\\)\|", row.strip().strip("|"))) + 1
+
+
+@pytest.mark.parametrize(
+    "page", [*PAGES, REPO / "bench" / "README.md"], ids=lambda p: str(p.relative_to(REPO))
+)
+def test_every_table_row_has_its_headers_cells(page):
+    """A row with more or fewer cells than its header (two rows run together, a row cut in
+    two by a later insertion) renders shifted or not at all."""
+    bad, header, in_code = [], None, False
+    for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code or not line.startswith("|"):
+            header = None
+            continue
+        if header is None:
+            header = _cells(line)
+        elif _cells(line) != header:
+            bad.append(f"line {number}: {_cells(line)} cells, its header {header}")
+    assert bad == [], f"{page.name}: " + "; ".join(bad)
