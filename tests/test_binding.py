@@ -600,3 +600,74 @@ def test_a_copy_of_memory_a_captured_graph_writes_is_remembered_again_once_its_g
     assert not [m for m in marks if m[0] < span[1] and span[0] < m[1]], marks
     backend.runtimes[0].reset()
     assert not context.buffers.written.overlaps(span)
+
+
+_INNER: dict = {"call": None, "depth": 0}
+
+
+@torch.library.custom_op("fxsplit_binding::call_inside", mutates_args=())
+def _call_inside(x: torch.Tensor) -> torch.Tensor:
+    """Calls ``_INNER["call"]`` once (not from inside itself), then returns a copy of ``x``."""
+    if _INNER["depth"] == 0 and _INNER["call"] is not None:
+        _INNER["depth"] += 1
+        try:
+            _INNER["call"]()
+        finally:
+            _INNER["depth"] -= 1
+    return x.clone()
+
+
+@_call_inside.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class _CallsItselfInside(nn.Module):
+    """An eager op calls the compiled model itself (another batch size, one graph under
+    ``dynamic=True``); then a piece reads ``b``, an eager piece writes ``a`` (``b``'s memory,
+    a counter of its own) and the last piece reads ``b`` again."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(D, D), requires_grad=False)
+
+    def forward(self, x, a, b):
+        x = torch.ops.fxsplit_binding.call_inside(x)
+        h = torch.tanh(x @ self.w) + b
+        with fxsplit.region(fxsplit.ATTENTION):
+            a.mul_(0.5).add_(h.sin())
+        return torch.tanh(h @ self.w) * b
+
+
+def test_a_call_of_the_graph_inside_its_own_call_leaves_the_outer_calls_copy_rule_intact():
+    """Found by a review: the inner call ended by forgetting the arguments of the call around
+    it, so the outer copies of ``b`` were not flagged as lying over memory an eager piece
+    writes, and the last piece replayed a stale copy (wrong by 0.91, no warning; before the
+    flag, the same program raised IndexError)."""
+    backend = fxsplit.Backend(capture="emulate", splitting_ops=["fxsplit_binding::call_inside"])
+    model, eager = _CallsItselfInside(), _CallsItselfInside()
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    a_c, a_e = torch.zeros(4, D), torch.zeros(4, D)
+    b_c, b_e = torch.from_numpy(a_c.numpy()), torch.from_numpy(a_e.numpy())
+    i_c, i_e = torch.zeros(2, D), torch.zeros(2, D)  # the inner call's a, and its twin
+    j_c, j_e = torch.from_numpy(i_c.numpy()), torch.from_numpy(i_e.numpy())
+    try:
+        with torch.inference_mode():
+            for step in range(6):
+                x = torch.randn(4, D, generator=torch.Generator().manual_seed(step))
+                y = torch.randn(2, D, generator=torch.Generator().manual_seed(50 + step))
+                fill = torch.randn(4, D, generator=torch.Generator().manual_seed(100 + step))
+                a_c.copy_(fill)
+                a_e.copy_(fill)
+                _INNER["call"] = lambda y=y: eager(y, i_e, j_e)
+                want = eager(x, a_e, b_e)
+                _INNER["call"] = lambda y=y: compiled(y, i_c, j_c)
+                got = compiled(x, a_c, b_c)
+                assert torch.equal(got, want), (step, (got - want).abs().max().item())
+                assert torch.equal(a_c, a_e) and torch.equal(i_c, i_e), step
+    finally:
+        _INNER["call"] = None
+    assert len(backend.runtimes) == 1  # one graph, called inside itself
+    for name in backend.stats["graph_0"]:
+        assert _piece_counts(backend, name)["replays"] >= 6, name

@@ -104,16 +104,23 @@ class OwnBuffers:
         self.written = WrittenMemory()
         self.eager_written: tuple[int, ...] = ()
         self.fragile: list[OwnBuffer] = []
-        self._args: tuple = ()
+        self._args: tuple = ()  # the arguments of the call under way
         self._eager_spans: Spans | None = None
 
-    def bind_call(self, args: tuple) -> None:
-        """A call of the graph with ``args`` starts (``()``: it ended). Copies remembered in
-        an earlier call are of another epoch already; the memory of this call's
-        ``eager_written`` arguments is read at the first copy that needs it."""
-        self._args = args
-        self._eager_spans = None
-        self.fragile.clear()
+    def bind_call(self, args: tuple) -> tuple:
+        """A call of the graph with ``args`` starts. Copies remembered in an earlier call are
+        of another epoch already; the memory of this call's ``eager_written`` arguments is read
+        at the first copy that needs it. Returns the state of the call under way, if any (a
+        call of the graph made inside its own call, by an eager piece's op), for
+        :meth:`end_call`."""
+        outer = self._args, self._eager_spans, self.fragile
+        self._args, self._eager_spans, self.fragile = args, None, []
+        return outer
+
+    def end_call(self, outer: tuple) -> None:
+        """The call :meth:`bind_call` began ended: back to the call under way around it
+        (``outer``), holding no argument of the ended one."""
+        self._args, self._eager_spans, self.fragile = outer
 
     def eager_overlaps(self, span: tuple[int, int]) -> bool:
         """Whether ``span`` meets the memory of an argument of this call that an eager piece

@@ -305,7 +305,7 @@ class GraphRuntime:
             if statics.volatile:
                 self._check_settled(args)
         session.enter()
-        context.buffers.bind_call(args)
+        outer = context.buffers.bind_call(args)
         out = ()
         try:
             out = self._forward(*args)
@@ -319,7 +319,7 @@ class GraphRuntime:
                 ) from error
             raise
         finally:
-            context.buffers.bind_call(())  # holds no caller's tensor past the call
+            context.buffers.end_call(outer)  # holds no caller's tensor past the call
             session.exit()
             if handed:  # also when the model raised: the caller's tensors leave the pool
                 out = hand_back(out, handed, self.graph_id)
