@@ -99,3 +99,17 @@ def test_every_table_row_has_its_headers_cells(page):
         elif _cells(line) != header:
             bad.append(f"line {number}: {_cells(line)} cells, its header {header}")
     assert bad == [], f"{page.name}: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_test_a_page_names_exists(page):
+    """``test_x.py::test_name`` in a page (the fault table's third column) names a test
+    function of that module under tests/ (a renamed test leaves the guarantee unreferenced);
+    ``test_x.py::test_name_...`` names every test starting so, at least one."""
+    missing = []
+    for module, name in re.findall(r"(test_\w+\.py)::(\w+)", page.read_text(encoding="utf-8")):
+        found = list((REPO / "tests").rglob(module))
+        pattern = rf"^\s*(async )?def {name}" + (r"\w*" if name.endswith("_") else r"\(")
+        if not any(re.search(pattern, f.read_text(), re.M) for f in found):
+            missing.append(f"{module}::{name}")
+    assert missing == [], f"{page.name}: " + ", ".join(missing)
