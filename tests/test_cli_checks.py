@@ -179,7 +179,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
         (
             ["dmeo", "--device", "cpu"],
             "fxsplit: error: argument command: invalid choice: 'dmeo' (choose from 'demo', "
-            "'dump', 'diff', 'cache'); did you mean 'demo'?",
+            "'dump', 'diff', 'cache', 'help'); did you mean 'demo'?",
         ),
     ],
 )
@@ -188,6 +188,15 @@ def test_a_misspelt_flag_or_command_is_answered_with_the_one_meant(argv, said):
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1] == said
     assert done.stdout == ""
+
+
+def test_help_as_a_command_prints_the_help_of_fxsplit_or_of_a_command():
+    """``fxsplit help`` (a first stumble: it was an invalid choice) prints ``fxsplit --help``;
+    ``fxsplit help demo`` prints ``fxsplit demo --help``."""
+    for argv, same_as in ((["help"], ["--help"]), (["help", "demo"], ["demo", "--help"])):
+        done, want = _cli(*argv), _cli(*same_as)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == want.stdout
 
 
 def test_unknown_arguments_suggests_nothing_far_from_every_flag():

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo_help = (
         "compile the reference models under runners v1 and v2 and compare with eager, then "
-        "decode with eager, fxsplit and reduce-overhead side by side"
+        "decode with eager and fxsplit side by side (and reduce-overhead on CUDA)"
     )
     demo_parser = commands.add_parser("demo", help=demo_help, description=demo_help)
     demo_parser.add_argument(
@@ -299,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         "delete them",
     )
     cache_parser.add_argument("--cache-dir", default=None, help="the cache folder")
+    topics = list(commands.choices)
+    help_parser = commands.add_parser(
+        "help", help="this help, or a command's (fxsplit help demo)", description="show help"
+    )
+    help_parser.add_argument("topic", nargs="?", choices=topics, help="a command")
     words = sys.argv[1:] if argv is None else argv
     named = next((word for word in words if not word.startswith("-")), None)
     if named is not None and named not in commands.choices:
@@ -307,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         command = commands.choices[args.command]
         command.error(unknown_arguments(unknown, _flags(parser) + _flags(command)))  # exits 2
+    if args.command == "help":
+        (commands.choices[args.topic] if args.topic else parser).print_help()
+        return 0
     if args.command == "cache":
         return _cache(args)
     if args.command == "demo" and args.tp is not None:
