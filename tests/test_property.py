@@ -276,6 +276,28 @@ def _(x, target, how=0):
     return torch.empty_like(x)
 
 
+# What fxsplit_prop::reenter calls (set by run_case around each model's call), and its depth
+REENTER: dict = {"call": None, "depth": 0}
+
+
+@torch.library.custom_op("fxsplit_prop::reenter", mutates_args=())
+def reenter(x: torch.Tensor) -> torch.Tensor:
+    """Calls ``REENTER["call"]`` (the model under test, on fresh inputs) unless already inside
+    it, as an engine's op may run a compiled submodel: a graph called inside its own call."""
+    if REENTER["call"] is not None and REENTER["depth"] == 0:
+        REENTER["depth"] += 1
+        try:
+            REENTER["call"]()
+        finally:
+            REENTER["depth"] -= 1
+    return x * 0.75
+
+
+@reenter.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("fxsplit_prop::noisy", mutates_args=())
 def noisy(x: torch.Tensor) -> torch.Tensor:
     """Draws random numbers, then reads a value on the host (which capture rejects); no tag
@@ -567,6 +589,8 @@ class Interp(nn.Module):
             regs.append(torch.ops.fxsplit_prop.keep(regs[ins[1] % n], ins[2]))
         elif kind == "noisy":
             regs.append(torch.ops.fxsplit_prop.noisy(regs[ins[1] % n]))
+        elif kind == "reenter":
+            regs.append(torch.ops.fxsplit_prop.reenter(regs[ins[1] % n]))
         elif kind == "unseen":
             target = regs[ins[2] % 2]  # the caller's x or y
             regs.append(torch.ops.fxsplit_prop.refill_unseen(regs[ins[1] % n], target, ins[3]))
@@ -622,6 +646,9 @@ class Case:
     # (``torch.from_numpy(x.numpy())``, as an engine may hand one buffer twice): a write to
     # either is one the other's counter does not see (drawn by :func:`twin_cases` alone)
     twin: bool = False
+    # an eager op of the program calls the model itself (fresh inputs, one memory under two
+    # inputs too), inside its own call: one step, one pool (drawn by :func:`twin_cases` alone)
+    reenter: bool = False
     binding: str | None = None  # input_binding; None: the runner's default
     warmup_runs: int = 1
     verify: bool = False
@@ -772,21 +799,27 @@ def cases(draw):
 
 
 @st.composite
-def twin_hazards(draw):
+def twin_hazards(draw, reenter: bool = False):
     """Instructions reading one memory through two inputs (:attr:`Case.twin`): a piece reads
-    ``y``, a piece writes ``x`` (reading ``y`` too, so its capture is refused and it runs
-    uncaptured every call; or not, so its replay writes ``x`` back), a piece reads ``y`` again;
-    between them the attention region, which every runner runs eagerly, of pure ops (no eager
-    piece that may write: the copy of ``y`` the first piece made must end at the second
-    piece's run or write-back alone). The last register is the third piece's result."""
+    ``y``, ``x`` is written, a piece reads ``y`` again; between them the attention region,
+    which every runner runs eagerly. ``x`` is written by a captured piece (reading ``y`` too, so
+    its capture is refused and it runs uncaptured every call; or not, so its replay writes
+    ``x`` back), or in the second region by torch's in-place op (an eager piece writing a graph
+    argument: the copies of ``y`` end there); the regions' other ops are pure, so the copy of
+    ``y`` must end at that run, write-back or write alone. The last register is the third
+    piece's result. ``reenter``: the first region's op calls the model itself
+    (:func:`reenter`) first."""
     unary = st.sampled_from(UNARY)
     reads_y = draw(st.booleans())
+    inside = (("reenter", -1),) if reenter else ()
+    write = ("inplace_input", draw(st.sampled_from(INPLACE)), 0, -1)
+    eager_write = draw(st.booleans())
     return (
         ("unary", draw(unary), 1),
-        ("region", fxsplit.ATTENTION, (("unary", draw(unary), -1),)),
+        ("region", fxsplit.ATTENTION, (*inside, ("unary", draw(unary), -1))),
         *((("binary", draw(st.sampled_from(BINARY)), 1, -1),) if reads_y else ()),
-        ("inplace_input", draw(st.sampled_from(INPLACE)), 0, -1),
-        ("region", fxsplit.ATTENTION, (("unary", draw(unary), -1),)),
+        *(write,) * (not eager_write),
+        ("region", fxsplit.ATTENTION, (*(write,) * eager_write, ("unary", draw(unary), -1))),
         ("binary", draw(st.sampled_from(BINARY)), 1, -1),
     )
 
@@ -796,13 +829,16 @@ def twin_cases(draw):
     """A case of :func:`cases` whose ``y`` is ``x``'s memory under another tensor, ending with
     :func:`twin_hazards` (whose last register is an output); half of them refuse the first
     captures of every other piece up to three times, so those run uncaptured while the pieces
-    between them replay. The inputs are the caller's fresh tensors (no runner's persistent
+    between them replay; half of them call the model inside its own call (:attr:`Case.reenter`).
+    The inputs are the caller's fresh tensors (no runner's persistent
     buffers, nothing fed back): under strict binding nothing would be copied."""
     case = draw(cases())
     refuse = draw(st.booleans())
+    reenter = draw(st.booleans())
     return dataclasses.replace(
         case,
-        program=(*case.program, *draw(twin_hazards())),
+        program=(*case.program, *draw(twin_hazards(reenter))),
+        reenter=reenter,
         outputs=(-1, *case.outputs[:2]),
         twin=True,
         staging=False,
@@ -923,6 +959,8 @@ def features(case: Case) -> set[str]:
         found.add("output_fed_back")
     if case.twin:
         found.add("one_memory_under_two_inputs")
+    if case.reenter:
+        found.add("called_inside_its_own_call")
     if case.refused_again:
         found.add("uncaptured_while_others_replay")
     found.update(f"option:{k}" for k in case.options)
@@ -1273,6 +1311,7 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
             *case.splitting_ops,
             "fxsplit_prop::stash",
             "fxsplit_prop::refill_unseen",
+            "fxsplit_prop::reenter",
         ],
         "eager_modules": list(case.eager_modules),
         "warmup_runs": case.warmup_runs,
@@ -1341,16 +1380,21 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
                 with torch.no_grad():
                     _reload(eager, how, step)
                     _reload(model, how, step)
-            with grad():
-                n = case.ints[step % 2]
+            n = case.ints[step % 2]
+            # made outside the grad mode, as the caller's are (an inference tensor recompiles)
+            inner = torch.randn(b, D, generator=gen) if case.reenter else None
+            inner_e, inner_c = (None, None) if inner is None else (_twins(inner), _twins(inner))
+            with grad(), _reentering() as inside:
                 torch.manual_seed(step)  # random ops draw the same numbers in both
                 _take_stash()
                 KEPT_IN_CAPTURE.clear()
+                inside(eager, inner_e, n)
                 expected = eager(xe, ye, n)
                 stored_e = eager.stored()
                 stash_e = _take_stash()
                 kept_e = _take_kept()
                 torch.manual_seed(step)
+                inside(compiled, inner_c, n)
                 got = compiled(xc, yc, n)
                 stored_c = model.stored()
                 stashed += [(e, c, step) for e, c in zip(stash_e, _take_stash(), strict=True)]
@@ -1465,6 +1509,28 @@ def test_compiled_equals_eager_over_one_memory_under_two_inputs(case):
         if _dynamo_refuses(case) or _dynamo_wrong(case):
             reject()
         raise
+
+
+def _twins(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of ``x`` and that copy's memory under another tensor (a counter of its own)."""
+    x = x.clone()
+    return x, torch.from_numpy(x.numpy())
+
+
+@contextlib.contextmanager
+def _reentering():
+    """Yields ``inside(model, inputs, n)``: from then on :func:`reenter` calls ``model`` on
+    ``inputs`` (``x`` and its twin, :func:`_twins`) and ``n`` (nothing for ``inputs`` None: a
+    case without :attr:`Case.reenter`); unset on leaving."""
+
+    def inside(model, inputs: tuple | None, n: int) -> None:
+        if inputs is not None:
+            REENTER["call"] = lambda: model(*inputs, n)
+
+    try:
+        yield inside
+    finally:
+        REENTER["call"] = None
 
 
 def _grad_mode(case: Case):
@@ -2508,5 +2574,33 @@ def test_regression_a_graph_with_no_captured_piece_raises_nothing_under_grad():
             eager_modules=("PropMlp", "PropMix"),
             sizes=(1, 2),
             options={"capture_sizes": (1,), "on_capture_error": "raise"},
+        )
+    )
+
+
+def test_regression_a_graph_called_inside_its_own_call_keeps_the_outer_calls_copy_rule():
+    """Two kinds, one program: an eager op calls the model inside its own call (one graph,
+    one capture key). The inner call replayed the graphs holding the outer call's values still
+    in use (the draw's first find: wrong from step 1, silently); and it ended by forgetting the
+    outer call's arguments, so a later copy of ``y`` (``x``'s memory, a counter of its own)
+    outlived the eager write of ``x`` (a review's find, tests/test_binding.py)."""
+    run_case(
+        Case(
+            program=(
+                ("unary", "relu", 1),
+                ("region", fxsplit.ATTENTION, (("reenter", -1), ("unary", "sin", -1))),
+                ("binary", "add", 1, -1),
+                (
+                    "region",
+                    fxsplit.ATTENTION,
+                    (("inplace_input", "mul_", 0, -1), ("unary", "tanh", -1)),
+                ),
+                ("binary", "mul", 1, -1),
+            ),
+            outputs=(-1,),
+            twin=True,
+            reenter=True,
+            binding="copy",
+            inference=True,
         )
     )

@@ -94,6 +94,7 @@ class GraphRuntime:
         self.capture_sizes = frozenset(config.capture_sizes) if config.capture_sizes else None
         self._warned: set[str] = set()
         self._logged_sizes: set[int] = set()
+        self._inside = 0  # calls of this graph under way (2: called inside its own call)
         self._recaptures: list[int] = []  # steps at which a parameter move dropped the graphs
         # compiled from the frame the caller entered: a call starts a step of the model
         self.entered = frame is None or frame.entered
@@ -272,9 +273,13 @@ class GraphRuntime:
         session.own(self.graph_id)
         try:
             session.begin_call(self, self.entered)
+            outer = self.context.capture_step
+            self._inside += 1
             try:
                 return self._call(session, args)
             finally:
+                self._inside -= 1
+                self.context.capture_step = outer
                 session.end_call()
         finally:
             session.disown()
@@ -288,6 +293,13 @@ class GraphRuntime:
             pool.ledger.check_inputs(args, self.graph_id)
         handed = None
         self.context.capture_step = capture = self._may_capture(args)
+        if capture and self._inside > 1:
+            # Called inside its own call (by an eager piece's op): the outer call's values are
+            # in its captured graphs' memory, which any replay of this graph writes; run through.
+            capture = self.context.capture_step = False
+            if "inside" not in self._warned:
+                self._warned.add("inside")
+                log.info("fxsplit %s: called inside its own call; runs uncaptured", self.graph_id)
         if capture:
             statics = self.statics
             if statics.volatile and pool is not None:
