@@ -46,7 +46,9 @@ class Config:
             count; the leading dims of the others are the token count too, so work that follows
             them is never taken for per-step work (vLLM hands ``input_ids`` and ``positions``,
             each with a symbol of its own).
-        max_captured_keys: capture keys captured per graph when ``capture_sizes`` is None.
+        max_captured_keys: graphs captured per piece when ``capture_sizes`` is None: one per
+            capture key, and one per key for each further call of its graph in a step (inside
+            another graph's call).
         warmup_runs: uncaptured runs per capture key before it is captured.
         input_binding: what a runner input whose address changed since capture gets: ``"copy"``,
             ``"strict"`` or ``"trust"``; None takes the runner's default ("strict" for runners

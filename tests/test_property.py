@@ -276,18 +276,22 @@ def _(x, target, how=0):
     return torch.empty_like(x)
 
 
-# What fxsplit_prop::reenter calls (set by run_case around each model's call), and its depth
-REENTER: dict = {"call": None, "depth": 0}
+# What fxsplit_prop::reenter calls (set by run_case around each model's call), how many times,
+# what those calls returned, and its depth
+REENTER: dict = {"call": None, "times": 1, "got": [], "depth": 0}
 
 
 @torch.library.custom_op("fxsplit_prop::reenter", mutates_args=())
 def reenter(x: torch.Tensor) -> torch.Tensor:
-    """Calls ``REENTER["call"]`` (the model under test, on fresh inputs) unless already inside
-    it, as an engine's op may run a compiled submodel: a graph called inside its own call."""
+    """Calls ``REENTER["call"]`` (the model under test, on fresh inputs) ``REENTER["times"]``
+    times unless already inside it, as an engine's op may run a compiled submodel: a graph
+    called inside its own call (Dynamo may compile the inner call to a graph of its own: then
+    one graph called twice in one step). What they return is kept in ``REENTER["got"]``."""
     if REENTER["call"] is not None and REENTER["depth"] == 0:
         REENTER["depth"] += 1
         try:
-            REENTER["call"]()
+            for _ in range(REENTER["times"]):
+                REENTER["got"].append(REENTER["call"]())
         finally:
             REENTER["depth"] -= 1
     return x * 0.75
@@ -646,9 +650,10 @@ class Case:
     # (``torch.from_numpy(x.numpy())``, as an engine may hand one buffer twice): a write to
     # either is one the other's counter does not see (drawn by :func:`twin_cases` alone)
     twin: bool = False
-    # an eager op of the program calls the model itself (fresh inputs, one memory under two
-    # inputs too), inside its own call: one step, one pool (drawn by :func:`twin_cases` alone)
-    reenter: bool = False
+    # an eager op of the program calls the model itself that many times (fresh inputs, one
+    # memory under two inputs too), inside its own call: one step, one pool (drawn by
+    # :func:`twin_cases` alone)
+    reenter: int = 0
     binding: str | None = None  # input_binding; None: the runner's default
     warmup_runs: int = 1
     verify: bool = False
@@ -829,15 +834,16 @@ def twin_cases(draw):
     """A case of :func:`cases` whose ``y`` is ``x``'s memory under another tensor, ending with
     :func:`twin_hazards` (whose last register is an output); half of them refuse the first
     captures of every other piece up to three times, so those run uncaptured while the pieces
-    between them replay; half of them call the model inside its own call (:attr:`Case.reenter`).
+    between them replay; half of them call the model inside its own call, once or twice
+    (:attr:`Case.reenter`).
     The inputs are the caller's fresh tensors (no runner's persistent
     buffers, nothing fed back): under strict binding nothing would be copied."""
     case = draw(cases())
     refuse = draw(st.booleans())
-    reenter = draw(st.booleans())
+    reenter = draw(st.sampled_from((0, 0, 1, 2)))
     return dataclasses.replace(
         case,
-        program=(*case.program, *draw(twin_hazards(reenter))),
+        program=(*case.program, *draw(twin_hazards(bool(reenter)))),
         reenter=reenter,
         outputs=(-1, *case.outputs[:2]),
         twin=True,
@@ -961,6 +967,8 @@ def features(case: Case) -> set[str]:
         found.add("one_memory_under_two_inputs")
     if case.reenter:
         found.add("called_inside_its_own_call")
+    if case.reenter > 1:
+        found.add("called_twice_inside_its_own_call")
     if case.refused_again:
         found.add("uncaptured_while_others_replay")
     found.update(f"option:{k}" for k in case.options)
@@ -1384,21 +1392,31 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
             # made outside the grad mode, as the caller's are (an inference tensor recompiles)
             inner = torch.randn(b, D, generator=gen) if case.reenter else None
             inner_e, inner_c = (None, None) if inner is None else (_twins(inner), _twins(inner))
-            with grad(), _reentering() as inside:
+            with grad(), _reentering(case.reenter) as inside:
                 torch.manual_seed(step)  # random ops draw the same numbers in both
                 _take_stash()
                 KEPT_IN_CAPTURE.clear()
-                inside(eager, inner_e, n)
+                inner_got_e = inside(eager, inner_e, n)
                 expected = eager(xe, ye, n)
                 stored_e = eager.stored()
                 stash_e = _take_stash()
                 kept_e = _take_kept()
                 torch.manual_seed(step)
-                inside(compiled, inner_c, n)
+                inner_got_c = inside(compiled, inner_c, n)
                 got = compiled(xc, yc, n)
                 stored_c = model.stored()
-                stashed += [(e, c, step) for e, c in zip(stash_e, _take_stash(), strict=True)]
-                stashed += [(e, c, step) for e, c in zip(kept_e, _take_kept(), strict=True)]
+            # what the calls inside returned, still referenced: each call's own values
+            assert len(inner_got_e) == len(inner_got_c), f"step {step}: inner calls differ"
+            for i, (e, c) in enumerate(zip(inner_got_e, inner_got_c, strict=True)):
+                assert len(e) == len(c), f"step {step}: inner call {i} differs"
+                for e_out, c_out in zip(e, c, strict=True):
+                    assert _same(e_out, c_out, exact), f"step {step}: inner call {i} differs"
+                stash_c, kept_c = _take_stash(), _take_kept()
+                # (Dynamo alone may differ here where the model calls itself inside its call)
+                assert len(stash_c) == len(stash_e), f"step {step}: the number kept differs"
+                assert len(kept_c) == len(kept_e), f"step {step}: the number kept differs"
+                stashed += [(e, c, step) for e, c in zip(stash_e, stash_c, strict=True)]
+                stashed += [(e, c, step) for e, c in zip(kept_e, kept_c, strict=True)]
             # What an eager op kept from this and earlier steps holds what eager's kept holds,
             # unless fxsplit warned, before the replay that overwrote it, that it is kept.
             if not any("still referenced after the call" in str(w.message) for w in seen):
@@ -1518,19 +1536,23 @@ def _twins(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _reentering():
+def _reentering(times: int):
     """Yields ``inside(model, inputs, n)``: from then on :func:`reenter` calls ``model`` on
-    ``inputs`` (``x`` and its twin, :func:`_twins`) and ``n`` (nothing for ``inputs`` None: a
-    case without :attr:`Case.reenter`); unset on leaving."""
+    ``inputs`` (``x`` and its twin, :func:`_twins`) and ``n``, ``times`` times (nothing for
+    ``inputs`` None: a case without :attr:`Case.reenter`); ``inside`` returns the list those
+    calls' outputs will be kept in. Unset on leaving."""
 
-    def inside(model, inputs: tuple | None, n: int) -> None:
+    def inside(model, inputs: tuple | None, n: int) -> list:
+        REENTER["got"] = got = []
         if inputs is not None:
             REENTER["call"] = lambda: model(*inputs, n)
+            REENTER["times"] = times
+        return got
 
     try:
         yield inside
     finally:
-        REENTER["call"] = None
+        REENTER["call"], REENTER["got"] = None, []
 
 
 def _grad_mode(case: Case):
@@ -2599,7 +2621,7 @@ def test_regression_a_graph_called_inside_its_own_call_keeps_the_outer_calls_cop
             ),
             outputs=(-1,),
             twin=True,
-            reenter=True,
+            reenter=1,
             binding="copy",
             inference=True,
         )

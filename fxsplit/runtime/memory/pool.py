@@ -11,7 +11,9 @@ by construction:
   whose graph was captured before one already replayed in this step (a piece refused at one step
   and captured at a later one, a compiled piece that captured a step after the plain ones, a
   capture key without the token count) is recaptured first: its new graph is the newest, so
-  nothing it writes is live (:meth:`MemoryPool.in_order`);
+  nothing it writes is live (:meth:`MemoryPool.in_order`). A graph called again in a step
+  (inside another graph's call) replays graphs of its own for that call
+  (:class:`~fxsplit.runtime.piece.stats.Repeat`), so its calls keep that order step after step;
 - outputs that leave fxsplit are handed out through the pool's
   :class:`~fxsplit.runtime.memory.output_lifetime.OutputLedger`, which invalidates them before a
   replay that may overwrite them.

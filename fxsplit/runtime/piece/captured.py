@@ -30,7 +30,7 @@ from fxsplit.runtime.memory.storage import storage_ptr
 from fxsplit.runtime.piece.capture import NO_KERNEL, NoKernel, capture, never_captured
 from fxsplit.runtime.piece.entry import Entry, bound_function, flat, key_function, rebuild
 from fxsplit.runtime.piece.replay_watch import Watch
-from fxsplit.runtime.piece.stats import PieceStats
+from fxsplit.runtime.piece.stats import PieceStats, Repeat
 from fxsplit.runtime.piece.verify import verified_replay
 from fxsplit.warn import FxsplitRuntimeWarning, warn_at_caller
 
@@ -134,6 +134,8 @@ class CapturedPiece(torch.nn.Module):
             self._refuse(self.failed)
             return self._uncaptured(inputs, None)
         key = self.key(inputs)
+        if context.repeat:
+            key = Repeat(context.repeat, key)
         entry = self.entries.get(key)
         if entry is None:
             return self._miss(key, inputs)
@@ -294,10 +296,16 @@ class CapturedPiece(torch.nn.Module):
             self._check_global_state(before)
             return out
         if len(self.entries) >= context.max_captured_keys:
-            self._refuse(
+            why = (
                 f"max_captured_keys={context.max_captured_keys} reached; further keys run "
                 "uncaptured"
             )
+            if type(key) is Repeat:
+                why += (
+                    f" (call {key.call + 1} of this graph in one step, inside another graph's "
+                    "call, has graphs of its own)"
+                )
+            self._refuse(why)
             return self._uncaptured(inputs, key)
         return self._first(key, inputs, before)
 

@@ -1,9 +1,12 @@
-"""Run-time figures per piece and capture key, mirrored into the process-wide counters."""
+"""Run-time figures per piece and capture key, mirrored into the process-wide counters, and the
+keys they are kept under: a marked cache's address in a key (:class:`StaticAddress`), and the
+entry key of a graph's further call in a step (:class:`Repeat`), counted under its capture key."""
 
 from __future__ import annotations
 
 import weakref
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 
@@ -27,7 +30,10 @@ class PieceStats:
         self.watch = watch
 
     def key(self, key: object) -> Counter:
-        """The counters of ``key`` (created on first use)."""
+        """The counters of ``key`` (created on first use); those of a :class:`Repeat` key are
+        its capture key's, added up over the calls of the graph in a step."""
+        if type(key) is Repeat:
+            key = key.key
         found = self.per_key.get(key)
         if found is None:
             found = self.per_key[key] = Counter()
@@ -85,6 +91,17 @@ _PLAIN = (int, float, bool, complex, str, type(None), torch.SymInt, torch.SymFlo
 _ORDINALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _HELD: dict[int, tuple[object, int]] = {}
 _SHOWN: Counter = Counter()
+
+
+class Repeat(NamedTuple):
+    """The entry key of a piece's call in the ``call``-th call (from 1) of its graph within
+    one step, a graph called again inside another graph's call: a graph of its own per call,
+    so that the step's replays keep capture order from one step to the next instead of
+    recapturing at each call (as cudagraph trees record a node per call path). ``key`` is the
+    call's capture key, under which it is counted."""
+
+    call: int
+    key: tuple
 
 
 class StaticAddress(int):

@@ -40,6 +40,9 @@ class GraphContext:
         statics: the graph's :class:`~fxsplit.runtime.inputs.static_inputs.StaticInputs`.
         capture_step: this call may capture and replay (set by the runtime every call).
         calls: the graph's calls so far, this one included.
+        repeat: how many calls of the graph came before this one in the step (more than none
+            only inside another graph's call, which never starts a step): its pieces' entries
+            are keyed apart (:class:`~fxsplit.runtime.piece.stats.Repeat`).
         epoch: changes wherever a caller's tensor may have been written where its version
             counter does not see it: each call of the graph, and after each eager piece that
             may write and each uncaptured run of a piece (what :class:`~fxsplit.runtime.
@@ -64,6 +67,7 @@ class GraphContext:
     statics: StaticInputs
     capture_step: bool = False
     calls: int = 0
+    repeat: int = 0
     epoch: int = 0
     static_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     buffers: OwnBuffers = field(default_factory=OwnBuffers)

@@ -272,14 +272,15 @@ class GraphRuntime:
         session = self.session
         session.own(self.graph_id)
         try:
-            session.begin_call(self, self.entered)
-            outer = self.context.capture_step
+            context = self.context
+            outer = context.capture_step, context.repeat
+            context.repeat = session.begin_call(self, self.entered)
             self._inside += 1
             try:
                 return self._call(session, args)
             finally:
                 self._inside -= 1
-                self.context.capture_step = outer
+                context.capture_step, context.repeat = outer
                 session.end_call()
         finally:
             session.disown()

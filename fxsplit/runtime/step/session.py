@@ -48,7 +48,7 @@ class CaptureSession:
         self.up_front = False  # Backend.capture is capturing sizes up front
         self.step = 0
         self.pools: dict[tuple[str, torch.device], MemoryPool] = {}
-        self._called: set[int] = set()  # graphs called in this step
+        self._called: dict[int, int] = {}  # id -> calls in this step, of each graph called
         self._calls = 0  # graph calls under way (more than one: a call inside another's)
         self._warned_kept: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # held by the thread inside a call (own / disown)
@@ -89,21 +89,27 @@ class CaptureSession:
             provenance.RECORD.add_pool(found)
         return found
 
-    def begin_call(self, graph: object, entered: bool) -> None:
+    def begin_call(self, graph: object, entered: bool) -> int:
         """``graph`` is called; ``entered``: it was compiled from the frame the caller
         entered. A call inside another graph's call (a compiled model called by an eager
         piece's op) is part of that call's step: a new step would let its graph replay out of
-        capture order over the outer graph's live outputs."""
+        capture order over the outer graph's live outputs. Returns how many calls of ``graph``
+        came before this one in the step (more than none only inside another graph's call:
+        :attr:`~fxsplit.runtime.step.context.GraphContext.repeat`)."""
         nested = self._calls > 0
         self._calls += 1
-        if not nested and (entered or id(graph) in self._called):
+        called = self._called
+        key = id(graph)
+        if not nested and (entered or key in called):
             self.step += 1
-            self._called.clear()
+            called.clear()
             for pool in self.pools.values():
                 pool.begin_step(self.step)
                 for kept in pool.ledger.loans.settle():
                     self.warn_kept(*kept)
-        self._called.add(id(graph))
+        before = called.get(key, 0)
+        called[key] = before + 1
+        return before
 
     def end_call(self) -> None:
         """The call :meth:`begin_call` began returned or raised."""
@@ -136,7 +142,7 @@ class CaptureSession:
 
     def forget(self, graph: object) -> None:
         """``graph`` is reset: drop what this session and the record keep of its calls."""
-        self._called.discard(id(graph))
+        self._called.pop(id(graph), None)
         provenance.RECORD.forget(graph)
 
     def enter(self) -> None:
