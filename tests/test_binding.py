@@ -9,12 +9,9 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 import fxsplit
-from fxsplit.runtime.inputs.static_buffers import WrittenMemory
 from fxsplit.runtime.memory.output_lifetime import can_swap
 
 pytestmark = pytest.mark.usefixtures("fresh_capture_state")
@@ -558,31 +555,6 @@ def test_a_captured_write_to_a_static_input_makes_the_copies_of_its_memory_stale
             assert torch.equal(a_c, a_e), step
     for name in backend.stats["graph_0"]:
         assert _piece_counts(backend, name)["replays"] >= 3, name
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.booleans(), st.integers(0, 60), st.integers(1, 20)), min_size=1, max_size=30
-    ),
-    st.integers(0, 80),
-    st.integers(1, 20),
-)
-def test_written_memory_overlaps_as_a_scan_of_every_registered_span(steps, low, length):
-    """:class:`WrittenMemory` (merged, bisected ranges, counted per registration) answers as a
-    scan of the spans registered and not yet removed."""
-    memory, registered = WrittenMemory(), []
-    for add, start, size in steps:
-        span = (start, start + size)
-        if add or span not in registered:
-            memory.add((span,))
-            registered.append(span)
-        else:
-            memory.remove((span,))
-            registered.remove(span)
-    query = (low, low + length)
-    want = any(a < query[1] and query[0] < b for a, b in registered)
-    assert memory.overlaps(query) == want
 
 
 def test_a_copy_of_memory_a_captured_graph_writes_is_remembered_again_once_its_graph_is_freed():

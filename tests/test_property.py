@@ -1405,18 +1405,18 @@ def _run_calls(case: Case, made: list) -> fxsplit.Backend:
                 inner_got_c = inside(compiled, inner_c, n)
                 got = compiled(xc, yc, n)
                 stored_c = model.stored()
-            # what the calls inside returned, still referenced: each call's own values
-            assert len(inner_got_e) == len(inner_got_c), f"step {step}: inner calls differ"
-            for i, (e, c) in enumerate(zip(inner_got_e, inner_got_c, strict=True)):
-                assert len(e) == len(c), f"step {step}: inner call {i} differs"
-                for e_out, c_out in zip(e, c, strict=True):
-                    assert _same(e_out, c_out, exact), f"step {step}: inner call {i} differs"
                 stash_c, kept_c = _take_stash(), _take_kept()
                 # (Dynamo alone may differ here where the model calls itself inside its call)
                 assert len(stash_c) == len(stash_e), f"step {step}: the number kept differs"
                 assert len(kept_c) == len(kept_e), f"step {step}: the number kept differs"
                 stashed += [(e, c, step) for e, c in zip(stash_e, stash_c, strict=True)]
                 stashed += [(e, c, step) for e, c in zip(kept_e, kept_c, strict=True)]
+            # what the calls inside returned, still referenced: each call's own values
+            assert len(inner_got_e) == len(inner_got_c), f"step {step}: inner calls differ"
+            for i, (e, c) in enumerate(zip(inner_got_e, inner_got_c, strict=True)):
+                assert len(e) == len(c), f"step {step}: inner call {i} differs"
+                for e_out, c_out in zip(e, c, strict=True):
+                    assert _same(e_out, c_out, exact), f"step {step}: inner call {i} differs"
             # What an eager op kept from this and earlier steps holds what eager's kept holds,
             # unless fxsplit warned, before the replay that overwrote it, that it is kept.
             if not any("still referenced after the call" in str(w.message) for w in seen):
