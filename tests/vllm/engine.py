@@ -90,6 +90,11 @@ def run(arch: str, backend: str | None, **engine) -> Run:
         config = {"mode": 2, "backend": f"tests.vllm.backends.{backend}"}
     else:
         config = {"mode": 0}
+    if arch == "deepseek_v2":
+        # vLLM prefers its AMX MLA backend where the CPU has AMX tiles, and that backend packs
+        # bfloat16 weights only: these models are float32, so ask for the reference CPU MLA
+        # (what a CPU without AMX runs), the same on every machine
+        engine.setdefault("attention_backend", "CPU_MLA")
     llm = LLM(
         model=path,
         skip_tokenizer_init=True,
