@@ -747,3 +747,85 @@ def test_a_graph_called_several_times_inside_anothers_call_replays_each_call_in_
             assert counts["reorders"] == 0, (graph, name, counts)
             assert counts["captures"] == calls, (graph, name, counts)
             assert counts["replays"] == 6 * calls, (graph, name, counts)
+
+
+class _OtherInner(_Inner):
+    """A graph of its own (instances of one class share one)."""
+
+    def forward(self, x):
+        return super().forward(x).tanh()
+
+
+def test_graphs_called_inside_anothers_call_in_an_order_that_changes_each_step_warn_once():
+    """Two models called by the first model's eager op in an order that alternates from step
+    to step: each step's first model replays graphs captured after the other's, so one of them
+    recaptures at every step (a capture per step on a GPU, numbers right). fxsplit cannot key
+    that apart; it says so once, naming the piece and what to do."""
+    backend = fxsplit.Backend(capture="emulate", splitting_ops=["fxsplit_binding::call_inside"])
+    outer, first, second = _CallsItselfInsideFirst(), _Inner(), _OtherInner()
+    compiled_outer = torch.compile(outer, backend=backend, dynamic=True)
+    compiled = [torch.compile(m, backend=backend, dynamic=True) for m in (first, second)]
+    gen = torch.Generator().manual_seed(0)
+
+    def both(models, z, kept, step):
+        order = models if step % 2 else models[::-1]
+        kept.extend(model(z) for model in order)
+
+    try:
+        with torch.inference_mode(), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for step in range(10):
+                x, y, z = (torch.randn(3, D, generator=gen) for _ in range(3))
+                kept_e, kept_c = [], []
+                _INNER["call"] = lambda z=z, k=kept_e, s=step: both((first, second), z, k, s)
+                want = outer(x.clone(), y)
+                _INNER["call"] = lambda z=z, k=kept_c, s=step: both(compiled, z, k, s)
+                got = compiled_outer(x.clone(), y)
+                assert torch.equal(got, want), step
+                assert all(map(torch.equal, kept_c, kept_e)), step
+    finally:
+        _INNER["call"] = None
+    reorders = sum(
+        _counts(backend, graph, name)["reorders"]
+        for graph, pieces in backend.stats.items()
+        for name in pieces
+    )
+    assert reorders >= 6, backend.stats
+    messages = [str(w.message) for w in seen if "capture order" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "recaptured" in messages[0] and "fxsplit.Backend" in messages[0], messages[0]
+
+
+@pytest.mark.parametrize("capture", ["emulate", "off"])
+def test_a_strict_runner_calling_a_graph_twice_inside_anothers_call_binds_each_call_apart(capture):
+    """Found by an adversarial review: under runner v2 (strict binding) a second model called
+    twice by the first model's eager op, each call with a persistent buffer of its own. Emulate
+    (and CUDA) bind each call's graphs apart; with capture off the strict check looked up the
+    first call's addresses for the second call and raised BindingError at step 1: a right
+    runner failed on a CPU machine and worked on a GPU."""
+    backend = fxsplit.Backend(
+        capture=capture, runner="v2", splitting_ops=["fxsplit_binding::call_inside"]
+    )
+    outer, inner = _CallsItselfInsideFirst(), _Inner()
+    compiled_outer = torch.compile(outer, backend=backend)
+    compiled_inner = torch.compile(inner, backend=backend)
+    x, y, z1, z2 = (torch.zeros(3, D) for _ in range(4))  # the runner's persistent buffers
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            for step in range(6):
+                for t in (x, y, z1, z2):
+                    t.copy_(torch.randn(3, D, generator=gen))
+                kept_e, kept_c = [], []
+                _INNER["call"] = lambda k=kept_e: k.extend((inner(z1), inner(z2)))
+                x_e = x.clone()
+                want = outer(x_e, y)
+                _INNER["call"] = lambda k=kept_c: k.extend((compiled_inner(z1), compiled_inner(z2)))
+                got = compiled_outer(x, y)
+                assert torch.equal(got, want) and torch.equal(x, x_e), step
+                assert all(map(torch.equal, kept_c, kept_e)), step
+    finally:
+        _INNER["call"] = None
+    if capture == "emulate":
+        counts = _counts(backend, "graph_1", "piece_0")
+        assert counts["replays"] == 8 and not counts["reorders"], counts

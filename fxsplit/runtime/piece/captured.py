@@ -372,6 +372,7 @@ class CapturedPiece(torch.nn.Module):
         self.drop(entry)
         del self.entries[entry.key]
         self.stats.add(entry.counts, "reorders")
+        self.stats.watch.reordered()
         return self._miss(entry.key, inputs)
 
     def drop(self, entry: Entry) -> None:

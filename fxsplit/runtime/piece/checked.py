@@ -15,6 +15,7 @@ from fxsplit.runtime.inputs.binding import Bind
 from fxsplit.runtime.memory import provenance
 from fxsplit.runtime.piece.captured import CapturedPiece
 from fxsplit.runtime.piece.entry import Check, Entry
+from fxsplit.runtime.piece.stats import Repeat
 
 __all__ = ["CheckedPiece"]
 
@@ -29,8 +30,11 @@ class CheckedPiece(CapturedPiece):
     """
 
     def __call__(self, *inputs):
-        if self.context.capture_step and self.failed is None:
+        context = self.context
+        if context.capture_step and self.failed is None:
             key = self.key(inputs)
+            if context.repeat:  # a further call of its graph in the step: bound apart
+                key = Repeat(context.repeat, key)
             entry = self.entries.get(key)
             if entry is not None:
                 self._check(entry, inputs)

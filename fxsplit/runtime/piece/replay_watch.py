@@ -1,4 +1,5 @@
-"""Replay watch: say when a graph's captured pieces never replay, and sum up what they did.
+"""Replay watch: say when a graph's captured pieces never replay, or recapture step after step
+to keep the pool's capture order, and sum up what they did.
 
 A captured piece replays only when a capture key repeats (:mod:`fxsplit.runtime.inputs.binding`).
 When a
@@ -9,10 +10,15 @@ catches the rest at run time: a piece that met :data:`NEW_KEYS` capture keys wit
 warns once per graph, naming the piece, what changed every call (in the model's terms where
 Dynamo traced it to a source) and what to do.
 
-Fed by :class:`fxsplit.runtime.piece.stats.PieceStats` when a piece first meets a capture key, so
-the
-replay path costs nothing. :func:`summary` renders one line per graph for the log
-(``TORCH_LOGS=fxsplit``) and the dump's report.
+A piece recaptured to keep capture order (:mod:`fxsplit.runtime.memory.pool`) in
+:data:`REORDERS` of the last :data:`REORDER_STEPS` steps warns as well: graphs
+of one backend called in an order that changes from step to step (inside another graph's call)
+recapture at every step, and nothing but a pool of their own stops it (once per backend: the
+cause is the order of its graphs).
+
+Fed by :class:`fxsplit.runtime.piece.stats.PieceStats` when a piece first meets a capture key,
+and by the piece's recapture, so the replay path costs nothing. :func:`summary` renders one
+line per graph for the log (``TORCH_LOGS=fxsplit``) and the dump's report.
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ log = logging.getLogger("fxsplit")
 NEW_KEYS = 8
 """Capture keys a piece meets without a replay before the watch warns."""
 
-_WARNED: weakref.WeakSet = weakref.WeakSet()  # graph runtimes that warned already
+REORDERS, REORDER_STEPS = 4, 10
+"""Steps with a recapture for capture order, among the last steps, before the watch warns."""
+
+_WARNED: weakref.WeakSet = weakref.WeakSet()  # graph contexts that warned already
+_WARNED_ORDER: weakref.WeakSet = weakref.WeakSet()  # sessions warned of capture order
 
 
 class Watch:
@@ -44,12 +54,34 @@ class Watch:
             (:func:`fxsplit.runtime.inputs.binding.key_reads`).
     """
 
-    __slots__ = ("piece", "reads", "up_front")
+    __slots__ = ("piece", "reads", "reordered_at", "up_front")
 
     def __init__(self, piece, reads) -> None:
         self.piece = piece
         self.reads = tuple(reads)
         self.up_front: set = set()  # keys met under Backend.capture: captured to be replayed
+        self.reordered_at: list[int] = []  # the recent steps that recaptured for capture order
+
+    def reordered(self) -> None:
+        """Called when the piece recaptures to keep capture order; warns once per backend
+        where it did in :data:`REORDERS` of the last :data:`REORDER_STEPS` steps."""
+        context = self.piece.context
+        step = context.session.step
+        recent = [s for s in self.reordered_at if s > step - REORDER_STEPS and s != step]
+        self.reordered_at = recent = [*recent, step]
+        if len(recent) < REORDERS or context.session in _WARNED_ORDER:
+            return
+        _WARNED_ORDER.add(context.session)
+        message = (
+            f"fxsplit {context.graph_id}: {self.piece.name} was recaptured in {len(recent)} of "
+            f"the last {REORDER_STEPS} steps to keep the capture order of its memory pool: its "
+            "graph replays after graphs captured later than it, in an order that changes from "
+            "step to step (models of one backend called inside another's call in a changing "
+            "order), so every such step captures again. Compile the models called in a "
+            "changing order with an fxsplit.Backend each (a pool of their own)."
+        )
+        log.info("%s", message)
+        warn_at_caller(message, FxsplitRuntimeWarning)
 
     def new_key(self, key: tuple, per_key: Mapping) -> None:
         """Called when the piece meets capture key ``key`` for the first time; ``per_key`` holds
