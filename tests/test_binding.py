@@ -829,3 +829,39 @@ def test_a_strict_runner_calling_a_graph_twice_inside_anothers_call_binds_each_c
     if capture == "emulate":
         counts = _counts(backend, "graph_1", "piece_0")
         assert counts["replays"] == 8 and not counts["reorders"], counts
+
+
+def test_a_graph_called_inside_anothers_call_under_no_grad_and_inference_mode_in_turn():
+    """Found by an adversarial review: inside an eager op's kernel Dynamo's guards see the same
+    dispatch keys under ``torch.no_grad()`` and ``torch.inference_mode()``, so the inner model
+    keeps one graph for both; fxsplit's static buffer made under inference mode was an
+    inference tensor, and the no_grad step's copy into it raised where eager works (warned and
+    run uncaptured at step 2, raised at step 4). Static buffers are made outside inference
+    mode: the steps replay."""
+    backend = fxsplit.Backend(capture="emulate", splitting_ops=["fxsplit_binding::call_inside"])
+    outer, inner = _CallsItselfInsideFirst(), _Inner()
+    compiled_outer = torch.compile(outer, backend=backend)
+    compiled_inner = torch.compile(inner, backend=backend)
+    gen = torch.Generator().manual_seed(0)
+    state = torch.randn(3, D, generator=gen)  # a caller's tensor, made outside both modes
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fxsplit.FxsplitRuntimeWarning)
+            for step in range(8):
+                x, y = (torch.randn(3, D, generator=gen) for _ in range(2))
+                mode = torch.inference_mode() if step % 2 else torch.no_grad()
+                with mode:
+                    kept_e, kept_c = [], []
+                    _INNER["call"] = lambda k=kept_e: k.append(inner(state))
+                    want = outer(x.clone(), y)
+                    _INNER["call"] = lambda k=kept_c: k.append(compiled_inner(state))
+                    got = compiled_outer(x.clone(), y)
+                assert torch.equal(got, want) and torch.equal(kept_c[0], kept_e[0]), step
+    finally:
+        _INNER["call"] = None
+    replays = sum(
+        _counts(backend, graph, name)["replays"]
+        for graph, pieces in backend.stats.items()
+        for name in pieces
+    )
+    assert replays >= 8, backend.stats

@@ -276,12 +276,15 @@ def own_buffer(value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     pad = value.storage_offset() % 512
     extent = 1 + sum((n - 1) * s for n, s in zip(value.shape, value.stride(), strict=True))
     extent = extent if value.numel() else 0
-    flat = torch.empty(pad + extent, dtype=value.dtype, device=value.device)
-    region = None
-    with torch.no_grad():
+    # Never an inference tensor: one graph may serve calls under inference mode and outside it
+    # (a model called inside an eager op's kernel, where Dynamo's guards see the same dispatch
+    # keys under both), and a copy into an inference tensor outside inference mode raises.
+    with torch.inference_mode(False), torch.no_grad():
+        flat = torch.empty(pad + extent, dtype=value.dtype, device=value.device)
         buffer = flat.as_strided(value.size(), value.stride(), pad)
-        if _overlaps(value):
-            region = flat[pad:]
+        region = flat[pad:] if _overlaps(value) else None
+    with torch.no_grad():
+        if region is not None:
             region.copy_(value.as_strided((extent,), (1,), value.storage_offset()))
         else:
             buffer.copy_(value)
