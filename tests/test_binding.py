@@ -446,6 +446,15 @@ def _piece_counts(backend, name: str) -> dict[str, int]:
     return _counts(backend, "graph_0", name)
 
 
+def _total(backend, counter: str) -> int:
+    """``counter`` summed over every captured piece of every graph of ``backend``."""
+    return sum(
+        _counts(backend, graph, name)[counter]
+        for graph, pieces in backend.stats.items()
+        for name in pieces
+    )
+
+
 def _counts(backend, graph: str, name: str) -> dict[str, int]:
     keys = [c for k, c in backend.stats[graph][name].items() if k != "refused"]
     names = ("captures", "replays", "uncaptured_runs", "reorders")
@@ -785,12 +794,7 @@ def test_graphs_called_inside_anothers_call_in_an_order_that_changes_each_step_w
                 assert all(map(torch.equal, kept_c, kept_e)), step
     finally:
         _INNER["call"] = None
-    reorders = sum(
-        _counts(backend, graph, name)["reorders"]
-        for graph, pieces in backend.stats.items()
-        for name in pieces
-    )
-    assert reorders >= 6, backend.stats
+    assert _total(backend, "reorders") >= 6, backend.stats
     messages = [str(w.message) for w in seen if "capture order" in str(w.message)]
     assert len(messages) == 1, messages
     assert "recaptured" in messages[0] and "fxsplit.Backend" in messages[0], messages[0]
@@ -859,9 +863,4 @@ def test_a_graph_called_inside_anothers_call_under_no_grad_and_inference_mode_in
                 assert torch.equal(got, want) and torch.equal(kept_c[0], kept_e[0]), step
     finally:
         _INNER["call"] = None
-    replays = sum(
-        _counts(backend, graph, name)["replays"]
-        for graph, pieces in backend.stats.items()
-        for name in pieces
-    )
-    assert replays >= 8, backend.stats
+    assert _total(backend, "replays") >= 8, backend.stats
