@@ -97,8 +97,9 @@ class Repeat(NamedTuple):
     """The entry key of a piece's call in the ``call``-th call (from 1) of its graph within
     one step, a graph called again inside another graph's call: a graph of its own per call,
     so that the step's replays keep capture order from one step to the next instead of
-    recapturing at each call (as cudagraph trees record a node per call path). ``key`` is the
-    call's capture key, under which it is counted."""
+    recapturing at each call (cudagraph trees record a node per whole call path; here only the
+    call's place among its graph's calls tells calls apart). ``key`` is the call's capture key,
+    under which it is counted."""
 
     call: int
     key: tuple
