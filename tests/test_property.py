@@ -2626,3 +2626,58 @@ def test_regression_a_graph_called_inside_its_own_call_keeps_the_outer_calls_cop
             inference=True,
         )
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="known fault, not fixed: found by the long profile (seed 630) on 8d66c7d, present at "
+    "320c3a8 too; Dynamo alone keeps eager's layout",
+)
+def test_regression_what_an_op_kept_after_an_in_place_layout_change_keeps_eagers_layout():
+    """Found by the long profile (seed 630): an eager op (stash) keeps a view taken after an
+    in-place layout change (``relayout_``) of a leaf's view; with ``verify=True``,
+    ``capture_sizes=(5,)``, ``max_captured_keys=1`` and ``on_capture_error="raise"`` (the run
+    falls back), what the op kept at step 15 holds eager's values in another layout (the same
+    memory read with other strides): wrong, no warning. Not yet understood."""
+    run_case(
+        Case(
+            program=(
+                (
+                    "region",
+                    "attn_prep",
+                    (
+                        ("intarg", 15),
+                        ("alias", "real", 5),
+                        (
+                            "region",
+                            "attn_prep",
+                            (("leaf_view", 0), ("meta", "relayout_", 8), ("unary", "relu", 0)),
+                        ),
+                    ),
+                ),
+                ("symint", 11),
+                (
+                    "region",
+                    "attn_prep",
+                    (
+                        ("stash", 9, 0),
+                        ("leaf_view", 0),
+                        ("region", "attn_prep", (("size_use", "reshape", 0, 0), ("custom2", 0))),
+                    ),
+                ),
+                ("module", 0, 7),
+                ("region", "attn_prep", (("unary", "relu", 0),)),
+            ),
+            outputs=(11, 10),
+            host_outputs=True,
+            runner="v2",
+            dynamic=False,
+            eager_modules=("PropMlp",),
+            sizes=(1, 5),
+            ints=(1, 3),
+            verify=True,
+            seed=5896,
+            options={"capture_sizes": (5,), "max_captured_keys": 1, "on_capture_error": "raise"},
+        )
+    )
